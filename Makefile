@@ -1,0 +1,29 @@
+# Two entry points on a fresh machine: `make demo` and `make test`. Both create .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch is taken first so no dependency pulls a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
+
+.PHONY: venv demo test test-triton bench clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,demo]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) -m structkv.cli demo
+
+test: venv
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: venv
+	$(PY) benchmarks/decoder_speed.py
+
+clean:
+	rm -rf $(VENV) .cache *.egg-info

@@ -1,0 +1,205 @@
+"""Generation with a static, preallocated KV cache.
+
+The decode step is compiled once per cache shape with `fullgraph=True` (the cache capacity is
+rounded up to a multiple of `CAPACITY_MULTIPLE`, so calls with similar lengths share it); the
+prefill is compiled with a dynamic prompt length, so one compile serves every prompt length.
+`compile=False` runs eager. Prompts of a batch are left-padded: padding has position -1, so it
+is never a visible key and every row gets exactly what it would get alone.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .models.kv_cache import StaticKVCache
+
+CAPACITY_MULTIPLE = 128
+
+
+@dataclass
+class GenerationResult:
+    text: str | list[str]
+    token_ids: list[int] | list[list[int]]
+    stats: dict = field(default_factory=dict)
+
+
+def _prefill(model, tokens, positions):
+    return model.prefill(tokens, positions)
+
+
+def _decode(model, tokens, positions, slot, cache):
+    return model.decode_step(tokens, positions, slot, cache)
+
+
+_COMPILED: dict = {}
+
+
+def compiled(kind: str, backend="inductor"):
+    """The compiled prefill or decode function for `backend` (created once per process)."""
+    key = (kind, backend)
+    if key not in _COMPILED:
+        # Every distinct model (and batch size) adds a cache entry for the same code object:
+        # raise dynamo's default limit of 8 so a process can serve several models.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        if kind == "prefill":
+            _COMPILED[key] = torch.compile(_prefill, fullgraph=True, backend=backend)
+        else:
+            _COMPILED[key] = torch.compile(_decode, fullgraph=True, dynamic=False, backend=backend)
+    return _COMPILED[key]
+
+
+def _ids_from_prompt(model, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        if model.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids instead of text")
+        return model.tokenizer.encode(prompt)
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.is_complex():
+            raise ValueError(f"a token tensor must be 1-D integer ids, got {prompt.dim()}-D {prompt.dtype}")
+        if prompt.device != model.device:
+            raise ValueError(f"prompt tensor is on {prompt.device} but the model is on {model.device}; move one of them")
+        return prompt.tolist()
+    ids = list(prompt)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError("a prompt must be a str, a list of int token ids or a 1-D integer tensor")
+    return ids
+
+
+def encode_batch(model, prompts) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Left-pad a batch: tokens (B, S), positions (B, S) with -1 on padding, and each row's length."""
+    rows = [_ids_from_prompt(model, p) for p in prompts]
+    cfg = model.config
+    for b, ids in enumerate(rows):
+        if not ids:
+            raise ValueError(f"prompt {b} is empty: give at least one token")
+        bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {b} has token ids outside the vocabulary [0, {cfg.vocab_size}): {bad[:5]}")
+    S = max(len(r) for r in rows)
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    tokens = torch.full((len(rows), S), pad, dtype=torch.long)
+    positions = torch.full((len(rows), S), -1, dtype=torch.long)
+    for b, ids in enumerate(rows):
+        tokens[b, S - len(ids):] = torch.tensor(ids)
+        positions[b, S - len(ids):] = torch.arange(len(ids))
+    return tokens.to(model.device), positions.to(model.device), [len(r) for r in rows]
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+           generator: torch.Generator | None) -> torch.Tensor:
+    """Next token per row from logits (B, V): greedy at temperature 0, else top-k / nucleus sampling."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest set reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _check_sampling(max_new_tokens, temperature, top_k, top_p):
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+
+
+@torch.inference_mode()
+def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, stop_at_eos: bool = True, compile=True, seed: int | None = None
+             ) -> GenerationResult:
+    """Generate a continuation of `prompt` (text, token ids, or a list of either for a batch).
+
+    `compile`: True (inductor), False (eager) or a torch.compile backend. Returns the new text, the
+    new token ids and timing stats; a list prompt gives lists.
+    """
+    _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    batched = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], int)
+    if isinstance(prompt, (list, tuple)) and len(prompt) == 0:
+        raise ValueError("prompt is empty: give text, token ids or a non-empty list of prompts")
+    tokens, positions, lengths = encode_batch(model, prompt if batched else [prompt])
+    B, S = tokens.shape
+    limit = model.config.max_position_embeddings
+    if max(lengths) + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt of {max(lengths)} tokens + {max_new_tokens} new tokens exceeds the model's "
+            f"{limit} positions; shorten the prompt or ask for fewer tokens"
+        )
+    backend = "inductor" if compile is True else compile
+    capacity = -(-(S + max_new_tokens) // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+    cache = StaticKVCache(model.config, B, capacity, model.dtype, model.device)
+    generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
+    decode = compiled("decode", backend) if backend else _decode
+
+    t0 = time.perf_counter()
+    if S == 1:  # a one-token prompt is a decode step (keeps the prefill graph dynamic, min length 2)
+        logits = decode(model, tokens, positions, torch.zeros(1, dtype=torch.long, device=model.device), cache)
+    else:
+        if backend:
+            torch._dynamo.mark_dynamic(tokens, 1, min=2, max=limit)
+            torch._dynamo.mark_dynamic(positions, 1, min=2, max=limit)
+        logits, kv = (compiled("prefill", backend) if backend else _prefill)(model, tokens, positions)
+        for layer, (k, v) in zip(cache.layers, kv):
+            layer.fill(k, v, positions)
+        del kv
+    _sync(model.device)
+    t1 = time.perf_counter()
+
+    eos = torch.tensor(model.config.eos_token_ids or (model.tokenizer.eos_ids if model.tokenizer else ()),
+                       dtype=torch.long, device=model.device)
+    next_pos = torch.tensor(lengths, device=model.device)[:, None]  # (B, 1)
+    done = torch.zeros(B, dtype=torch.bool, device=model.device)
+    out = []
+    for step in range(max_new_tokens):
+        tok = sample(logits, temperature, top_k, top_p, generator)  # (B,)
+        out.append(tok)
+        if stop_at_eos and eos.numel():
+            done |= torch.isin(tok, eos)
+            if bool(done.all()):
+                break
+        if step == max_new_tokens - 1:
+            break
+        slot = torch.tensor([S + step], device=model.device)
+        logits = decode(model, tok[:, None], next_pos + step, slot, cache)
+    _sync(model.device)
+    t2 = time.perf_counter()
+
+    new = torch.stack(out, 1).tolist()  # (B, steps)
+    ids = []
+    for row in new:
+        if stop_at_eos and eos.numel():
+            cut = next((j for j, t in enumerate(row) if t in eos.tolist()), None)
+            row = row if cut is None else row[:cut]
+        ids.append(row)
+    texts = [model.tokenizer.decode(r) for r in ids] if model.tokenizer is not None else [None] * B
+    steps = len(out)
+    stats = {
+        "prompt_tokens": lengths if batched else lengths[0],
+        "new_tokens": steps,
+        "prefill_s": t1 - t0,
+        "decode_s": t2 - t1,
+        "decode_tokens_per_s": (steps - 1) * B / (t2 - t1) if steps > 1 and t2 > t1 else float("nan"),
+        "cache_capacity": capacity,
+        "kv_cache_bytes": sum(layer.nbytes() for layer in cache.layers),
+    }
+    if batched:
+        return GenerationResult(texts, ids, stats)
+    return GenerationResult(texts[0], ids[0], stats)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

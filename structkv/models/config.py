@@ -1,0 +1,214 @@
+"""One config dataclass for every supported decoder, read from HF `config.json` or GGUF metadata.
+
+The decoder never looks at a raw HF dict: everything architecture-specific is decided here, once,
+and stated as a plain field (norm flavour, activation, per-layer attention type and RoPE).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE of one attention type: base theta plus optional scaling (HF `rope_type` names)."""
+
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" per layer
+    sliding_window: int | None = None
+    rope: dict[str, RopeConfig] = field(default_factory=dict)  # keyed by layer type
+    attention_bias: bool = False
+    qk_norm: bool = False
+    activation: str = "silu"  # "silu" | "gelu_tanh"
+    gemma_norms: bool = False  # (1 + w) RMSNorm, sandwich norms, scaled embeddings
+    attn_scale: float | None = None  # None: 1/sqrt(head_dim)
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    torch_dtype: str | None = None
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        for t in set(self.layer_types):
+            if t not in ("full_attention", "sliding_attention"):
+                raise ValueError(f"unsupported layer type {t!r}: expected full_attention or sliding_attention")
+            if t not in self.rope:
+                raise ValueError(f"no RoPE parameters for layer type {t!r}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_attention layers need a positive sliding_window")
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    def window(self, layer: int) -> int | None:
+        """Sliding window of `layer`, or None for full attention."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    # ------------------------------------------------------------------ readers
+    def to_dict(self) -> dict:
+        import dataclasses
+
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """Inverse of `to_dict` (structkv's own serialised form, not a HF config)."""
+        d = dict(d)
+        d["rope"] = {k: RopeConfig(**v) for k, v in d["rope"].items()}
+        d["layer_types"], d["eos_token_ids"] = tuple(d["layer_types"]), tuple(d["eos_token_ids"])
+        return cls(**d)
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "ModelConfig":
+        """Build from a HF `config.json` dict (transformers 4.x or 5.x layout)."""
+        model_type = d.get("model_type")
+        if model_type == "gemma3" and "text_config" in d:  # multimodal wrapper: use the text tower
+            d, model_type = {**d["text_config"], "model_type": "gemma3_text"}, "gemma3_text"
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; structkv supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        n_layers = d["num_hidden_layers"]
+        n_heads = d["num_attention_heads"]
+        hidden = d["hidden_size"]
+        head_dim = d.get("head_dim") or hidden // n_heads
+        gemma = model_type == "gemma3_text"
+
+        layer_types = d.get("layer_types")
+        sliding_window = d.get("sliding_window")
+        if layer_types is None:
+            if gemma:
+                pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6
+                layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
+            elif model_type == "mistral" and sliding_window:
+                layer_types = ["sliding_attention"] * n_layers
+            elif model_type in ("qwen2", "qwen3") and d.get("use_sliding_window") and sliding_window:
+                first_full = d.get("max_window_layers", n_layers)
+                layer_types = ["sliding_attention" if i >= first_full else "full_attention" for i in range(n_layers)]
+            else:
+                layer_types = ["full_attention"] * n_layers
+        layer_types = tuple(layer_types)
+        if "sliding_attention" not in layer_types:
+            sliding_window = None
+
+        rope = _read_rope(d, gemma)
+        eos = d.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act)
+        if act is None:
+            raise ValueError(f"unsupported activation {d.get('hidden_act')!r}: expected silu or gelu_pytorch_tanh")
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if d.get(key):
+                raise ValueError(f"{key}={d[key]} is not supported (Gemma 2 style soft-capping)")
+        return cls(
+            model_type=model_type,
+            vocab_size=d["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=d["intermediate_size"],
+            num_layers=n_layers,
+            num_heads=n_heads,
+            num_kv_heads=d.get("num_key_value_heads") or n_heads,
+            head_dim=head_dim,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            layer_types=layer_types,
+            sliding_window=sliding_window,
+            rope=rope,
+            attention_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            activation=act,
+            gemma_norms=gemma,
+            attn_scale=d["query_pre_attn_scalar"] ** -0.5 if gemma and d.get("query_pre_attn_scalar") else None,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos,
+            pad_token_id=d.get("pad_token_id"),
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+        )
+
+
+def _rope_from_params(p: dict, default_theta: float) -> RopeConfig:
+    rope_type = p.get("rope_type", p.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    return RopeConfig(
+        theta=float(p.get("rope_theta", default_theta)),
+        rope_type=rope_type,
+        factor=float(p.get("factor", 1.0)),
+        low_freq_factor=float(p.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(p.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(p.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _read_rope(d: dict, gemma: bool) -> dict[str, RopeConfig]:
+    """RoPE per layer type, from v5 `rope_parameters` or v4 `rope_theta`/`rope_scaling`."""
+    params = d.get("rope_parameters")
+    theta = float(d.get("rope_theta", 10000.0))
+    if params and all(isinstance(v, dict) for v in params.values()):  # per layer type (Gemma 3, v5)
+        return {k: _rope_from_params(v, theta) for k, v in params.items()}
+    if params:  # one set for all layers (v5)
+        rc = _rope_from_params(params, theta)
+        return {"full_attention": rc, "sliding_attention": rc}
+    scaling = d.get("rope_scaling") or {}
+    full = _rope_from_params({**scaling, "rope_theta": theta}, theta)
+    if gemma:  # v4 Gemma 3: local layers use rope_local_base_freq without scaling
+        local = RopeConfig(theta=float(d.get("rope_local_base_freq", 10000.0)))
+        return {"full_attention": full, "sliding_attention": local}
+    return {"full_attention": full, "sliding_attention": full}
+
+
+def inv_frequencies(rope: RopeConfig, head_dim: int) -> "torch.Tensor":
+    """RoPE inverse frequencies (head_dim // 2,), float32, with linear or llama3 scaling applied."""
+    import torch
+
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "llama3":
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq

