@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,demo]"
+	$(PY) -m pip install -q -e ".[dev,demo,triton]"
 	touch $@
 
 venv: $(VENV)/.installed
@@ -19,11 +19,14 @@ venv: $(VENV)/.installed
 demo: venv
 	$(PY) -m structkv.cli demo
 
+# Two pytest processes: TRITON_INTERPRET must be set before Triton kernels are defined.
 test: venv
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -m "not triton_interpret"
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m triton_interpret
 
 bench: venv
 	$(PY) benchmarks/decoder_speed.py
+	$(PY) benchmarks/ops_memory.py
 
 clean:
 	rm -rf $(VENV) .cache *.egg-info

@@ -1,6 +1,6 @@
 """structkv: structure-aware KV-cache compression (StructKV and its baselines) for long-context LLMs."""
 from . import models
-from .generate import GenerationResult, generate
+from .generation import GenerationResult, generate
 from .models import load
 
 __version__ = "0.1.0"

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from structkv.generate import compiled
+from structkv.generation import compiled
 
 import structkv
 from conftest import ARCHS
@@ -60,7 +60,7 @@ def test_sampling_is_seeded_and_respects_top_k(tiny_dir):
 
 
 def test_top_p_keeps_smallest_nucleus():
-    from structkv.generate import sample
+    from structkv.generation import sample
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     gen = torch.Generator().manual_seed(0)
