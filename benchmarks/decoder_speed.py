@@ -74,7 +74,7 @@ def main():
             torch._dynamo.mark_dynamic(tokens, 1, min=2, max=model.config.max_position_embeddings)
             torch._dynamo.mark_dynamic(pos, 1, min=2, max=model.config.max_position_embeddings)
             return compiled("prefill")(model, tokens, pos)
-        return model.prefill(tokens, pos)
+        return model.prompt_pass(tokens, pos)
 
     rows = []
     warm = prompts[lengths[0]]

@@ -26,11 +26,11 @@ class GenerationResult:
 
 
 def _prefill(model, tokens, positions):
-    return model.prefill(tokens, positions)
+    return model.prompt_pass(tokens, positions)
 
 
-def _decode(model, tokens, positions, slot, cache):
-    return model.decode_step(tokens, positions, slot, cache)
+def _decode(model, tokens, positions, cache):
+    return model.decode_step(tokens, positions, cache)
 
 
 _COMPILED: dict = {}
@@ -119,48 +119,56 @@ def _check_sampling(max_new_tokens, temperature, top_k, top_p):
 
 @torch.inference_mode()
 def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, stop_at_eos: bool = True, compile=True, seed: int | None = None
-             ) -> GenerationResult:
+             top_p: float | None = None, stop_at_eos: bool = True, compile=True, seed: int | None = None,
+             method=None, state=None) -> GenerationResult:
     """Generate a continuation of `prompt` (text, token ids, or a list of either for a batch).
 
+    `method`: a compression method (`structkv.methods.get(...)`); None or `full` keeps every entry.
+    `state`: a `CompressedState` from `model.prefill(context, method)`; `prompt` is then a question
+    appended to the compressed context (not compressed itself), on a copy of the cache.
     `compile`: True (inductor), False (eager) or a torch.compile backend. Returns the new text, the
-    new token ids and timing stats; a list prompt gives lists.
+    new token ids and stats; a list prompt gives lists.
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
-    batched = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], int)
     if isinstance(prompt, (list, tuple)) and len(prompt) == 0:
         raise ValueError("prompt is empty: give text, token ids or a non-empty list of prompts")
-    tokens, positions, lengths = encode_batch(model, prompt if batched else [prompt])
-    B, S = tokens.shape
-    limit = model.config.max_position_embeddings
-    if max(lengths) + max_new_tokens > limit:
-        raise ValueError(
-            f"prompt of {max(lengths)} tokens + {max_new_tokens} new tokens exceeds the model's "
-            f"{limit} positions; shorten the prompt or ask for fewer tokens"
-        )
     backend = "inductor" if compile is True else compile
-    capacity = -(-(S + max_new_tokens) // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
-    cache = StaticKVCache(model.config, B, capacity, model.dtype, model.device)
-    generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
     decode = compiled("decode", backend) if backend else _decode
-
+    limit = model.config.max_position_embeddings
+    stats: dict = {}
     t0 = time.perf_counter()
-    if S == 1:  # a one-token prompt is a decode step (keeps the prefill graph dynamic, min length 2)
-        logits = decode(model, tokens, positions, torch.zeros(1, dtype=torch.long, device=model.device), cache)
+    if state is not None:
+        if method is not None:
+            raise ValueError("pass either method= (compress this prompt) or state= (reuse a compressed context)")
+        cache, logits, lengths, batched = _extend_state(model, state, prompt, max_new_tokens)
+        next_pos = cache.next_positions
+        cache = cache.cache
+        B = logits.shape[0]
+        stats.update({f"context_{k}": v for k, v in state.stats.items()})
     else:
-        if backend:
-            torch._dynamo.mark_dynamic(tokens, 1, min=2, max=limit)
-            torch._dynamo.mark_dynamic(positions, 1, min=2, max=limit)
-        logits, kv = (compiled("prefill", backend) if backend else _prefill)(model, tokens, positions)
-        for layer, (k, v) in zip(cache.layers, kv):
-            layer.fill(k, v, positions)
-        del kv
+        batched = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], int)
+        tokens, positions, lengths = encode_batch(model, prompt if batched else [prompt])
+        B, S = tokens.shape
+        if max(lengths) + max_new_tokens > limit:
+            raise ValueError(
+                f"prompt of {max(lengths)} tokens + {max_new_tokens} new tokens exceeds the model's "
+                f"{limit} positions; shorten the prompt or ask for fewer tokens"
+            )
+        if method is not None and method.name != "full":
+            from .prefill import compress
+
+            compressed = compress(model, tokens, positions, method, room=max_new_tokens)
+            cache, logits, next_pos = compressed.cache, compressed.logits, compressed.next_positions
+            stats.update(compressed.stats)
+        else:
+            cache, logits = _full_prefill(model, tokens, positions, max_new_tokens, backend, limit)
+            next_pos = torch.tensor(lengths, device=model.device)[:, None]  # (B, 1)
     _sync(model.device)
     t1 = time.perf_counter()
+    generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
 
     eos = torch.tensor(model.config.eos_token_ids or (model.tokenizer.eos_ids if model.tokenizer else ()),
                        dtype=torch.long, device=model.device)
-    next_pos = torch.tensor(lengths, device=model.device)[:, None]  # (B, 1)
     done = torch.zeros(B, dtype=torch.bool, device=model.device)
     out = []
     for step in range(max_new_tokens):
@@ -172,8 +180,7 @@ def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.
                 break
         if step == max_new_tokens - 1:
             break
-        slot = torch.tensor([S + step], device=model.device)
-        logits = decode(model, tok[:, None], next_pos + step, slot, cache)
+        logits = decode(model, tok[:, None], next_pos + step, cache)
     _sync(model.device)
     t2 = time.perf_counter()
 
@@ -186,18 +193,63 @@ def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.
         ids.append(row)
     texts = [model.tokenizer.decode(r) for r in ids] if model.tokenizer is not None else [None] * B
     steps = len(out)
-    stats = {
+    stats.update({
         "prompt_tokens": lengths if batched else lengths[0],
         "new_tokens": steps,
         "prefill_s": t1 - t0,
         "decode_s": t2 - t1,
         "decode_tokens_per_s": (steps - 1) * B / (t2 - t1) if steps > 1 and t2 > t1 else float("nan"),
-        "cache_capacity": capacity,
         "kv_cache_bytes": sum(layer.nbytes() for layer in cache.layers),
-    }
+    })
     if batched:
         return GenerationResult(texts, ids, stats)
     return GenerationResult(texts[0], ids[0], stats)
+
+
+def _full_prefill(model, tokens, positions, max_new_tokens, backend, limit):
+    """Uncompressed prefill into a static cache (compiled with a dynamic prompt length)."""
+    B, S = tokens.shape
+    capacity = -(-(S + max_new_tokens) // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+    cache = StaticKVCache(model.config, B, capacity, model.dtype, model.device)
+    if S == 1:  # a one-token prompt is a decode step (keeps the prefill graph dynamic, min length 2)
+        decode = compiled("decode", backend) if backend else _decode
+        return cache, decode(model, tokens, positions, cache)
+    if backend:
+        torch._dynamo.mark_dynamic(tokens, 1, min=2, max=limit)
+        torch._dynamo.mark_dynamic(positions, 1, min=2, max=limit)
+    logits, kv = (compiled("prefill", backend) if backend else _prefill)(model, tokens, positions)
+    for layer, (k, v) in zip(cache.layers, kv):
+        layer.fill(k, v, positions)
+    return cache, logits
+
+
+@dataclass
+class _Extended:
+    cache: object
+    next_positions: torch.Tensor
+
+
+def _extend_state(model, state, question, max_new_tokens):
+    """Append `question` (same for every row) to a copy of the compressed context."""
+    if isinstance(question, str):
+        if model.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass the question as token ids")
+        ids = model.tokenizer.encode(question, add_bos=False)
+    else:
+        ids = _ids_from_prompt(model, question)
+    if not ids:
+        raise ValueError("the question is empty: give at least one token")
+    cache = state.cache.clone()
+    B = state.logits.shape[0]
+    free = min(layer.capacity - int(layer.cursor) for layer in cache.layers if layer.window is None)
+    if len(ids) + max_new_tokens > free:
+        raise ValueError(f"question ({len(ids)} tokens) + {max_new_tokens} new tokens exceed the {free} free cache "
+                         "slots of this state; call model.prefill(context, method, room=...) with more room")
+    tokens = torch.tensor([ids], device=model.device).expand(B, -1)  # (B, S_q)
+    positions = state.next_positions + torch.arange(len(ids), device=model.device)  # (B, S_q)
+    logits = model.extend(tokens, positions, cache)
+    lengths = [n + len(ids) for n in state.lengths]
+    return _Extended(cache, positions[:, -1:] + 1), logits, lengths, B > 1
 
 
 def _sync(device: torch.device) -> None:

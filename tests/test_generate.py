@@ -22,7 +22,7 @@ def test_compiled_equals_eager(arch, tiny_dir):
     tokens = torch.tensor([_ids(21)])
     with torch.inference_mode():  # the grad mode generate() runs in: no extra recompile
         logits_comp, _ = compiled("prefill")(model, tokens, torch.arange(21)[None])
-    logits_eager, _ = model.prefill(tokens, torch.arange(21)[None])
+    logits_eager, _ = model.prompt_pass(tokens, torch.arange(21)[None])
     assert torch.allclose(logits_comp, logits_eager, atol=1e-4)
 
 

@@ -89,12 +89,12 @@ def test_decode_logits_match_full_forward(tiny_dir):
     ids = _prompt(18)[0].tolist()
     tokens, positions, _ = encode_batch(model, [ids])
     cache = StaticKVCache(model.config, 1, 32, model.dtype, model.device)
-    _, kv = model.prefill(tokens, positions)
+    _, kv = model.prompt_pass(tokens, positions)
     for layer, (k, v) in zip(cache.layers, kv):
         layer.fill(k, v, positions)
     seq = list(ids)
     for step, tok in enumerate([5, 17, 42]):
         seq.append(tok)
-        logits = model.decode_step(torch.tensor([[tok]]), torch.tensor([[18 + step]]), torch.tensor([18 + step]), cache)
+        logits = model.decode_step(torch.tensor([[tok]]), torch.tensor([[18 + step]]), cache)
         ref = model(torch.tensor([seq]))[:, -1]
         assert torch.allclose(logits, ref, atol=1e-5)

@@ -216,8 +216,9 @@ class Decoder(nn.Module):
     def layer_forward(self, i: int, h, positions, rope, keys=None):
         """Run layer `i` on hidden states h (B, S, E) at `positions` (B, S).
 
-        By default the layer attends over the same tokens. `keys=(k, v, k_pos)` attends over a
-        given key set instead (a cache); the new k, v (B, Hkv, S, D) are returned either way.
+        By default the layer attends over the same tokens. `keys(k, v) -> (k_all, v_all, k_pos)`
+        builds another key set from the new k, v (e.g. cache + new); the new k, v (B, Hkv, S, D)
+        are returned either way.
         """
         block = self.model.layers[i]
         attn = block.self_attn
@@ -225,7 +226,7 @@ class Decoder(nn.Module):
         if keys is None:
             k_all, v_all, k_pos = k, v, positions
         else:
-            k_all, v_all, k_pos = keys
+            k_all, v_all, k_pos = keys(k, v)
         out = attn.attend(q, k_all, v_all, visible(positions, k_pos, attn.window))
         return block.finish(h, out), k, v
 
@@ -239,8 +240,8 @@ class Decoder(nn.Module):
             h, _, _ = self.layer_forward(i, h, positions, rope)
         return self.logits(h)
 
-    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor):
-        """Prompt pass for generation: last-token logits (B, V) and each layer's (k, v)."""
+    def prompt_pass(self, tokens: torch.Tensor, positions: torch.Tensor):
+        """Uncompressed prompt pass: last-token logits (B, V) and each layer's (k, v)."""
         h, rope = self.embed(tokens), self.rope_tables(positions)
         kv = []
         for i in range(self.config.num_layers):
@@ -248,18 +249,41 @@ class Decoder(nn.Module):
             kv.append((k, v))
         return self.logits(h[:, -1]), kv
 
-    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, cache) -> torch.Tensor:
-        """One new token per row: tokens, positions (B, 1); `slot` (1,) is the cache slot to write.
+    def prefill(self, context, method=None, *, room: int = 256):
+        """Compress once, ask many: prefill `context` (text, ids or a batch) with `method` and
+        return a reusable `CompressedState`; pass it to `structkv.generate(..., state=...)`."""
+        from ..generation import encode_batch
+        from ..prefill import compress
 
-        Writes the new K/V into every layer of `cache` in place, attends over the whole cache
-        buffer (masked by the cached positions) and returns logits (B, V).
+        batched = isinstance(context, (list, tuple)) and len(context) > 0 and not isinstance(context[0], int)
+        tokens, positions, _ = encode_batch(self, context if batched else [context])
+        return compress(self, tokens, positions, method, room=room)
+
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """One new token per row: tokens, positions (B, 1) -> logits (B, V).
+
+        Writes the new K/V into every layer of `cache` in place (at its cursor, or its ring slot),
+        then attends over the whole cache buffer, masked by the cached positions.
         """
         h, rope = self.embed(tokens), self.rope_tables(positions)
         for i in range(self.config.num_layers):
             layer = cache.layers[i]
             block = self.model.layers[i]
             q, k, v = block.self_attn.qkv(block.attention_input(h), *rope[self.config.layer_types[i]])
-            layer.write(slot, k, v, positions)
+            layer.write(k, v, positions)
             mask = visible(positions, layer.pos, block.self_attn.window)
             h = block.finish(h, block.self_attn.attend(q, layer.k, layer.v, mask))
+        return self.logits(h[:, -1])
+
+    def extend(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """Several new tokens per row on top of a cache (e.g. a question after a compressed
+        context): they attend to the cache and causally to each other, then are appended.
+        tokens, positions (B, S) -> last-token logits (B, V)."""
+        h, rope = self.embed(tokens), self.rope_tables(positions)
+        for i in range(self.config.num_layers):
+            layer = cache.layers[i]
+            keys = lambda k, v: (torch.cat([layer.k, k], 2), torch.cat([layer.v, v], 2),  # noqa: E731
+                                 torch.cat([layer.pos, positions[:, None].expand(-1, k.shape[1], -1)], 2))
+            h, k, v = self.layer_forward(i, h, positions, rope, keys=keys)
+            layer.write(k, v, positions)
         return self.logits(h[:, -1])

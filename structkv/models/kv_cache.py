@@ -21,6 +21,7 @@ class LayerKVCache(nn.Module):
         self.register_buffer("k", torch.zeros(batch, num_kv_heads, capacity, head_dim, dtype=dtype, device=device))
         self.register_buffer("v", torch.zeros(batch, num_kv_heads, capacity, head_dim, dtype=dtype, device=device))
         self.register_buffer("pos", torch.full((batch, num_kv_heads, capacity), -1, dtype=torch.long, device=device))
+        self.register_buffer("cursor", torch.zeros(1, dtype=torch.long, device=device))  # next slot (full layers)
 
     @property
     def capacity(self) -> int:
@@ -37,35 +38,46 @@ class LayerKVCache(nn.Module):
         self.v[:, :, :S] = v
         self.pos[:, :, :S] = positions[:, None].expand(-1, H, -1)  # (B, Hkv, S)
         self.pos[:, :, S:] = -1
+        self.cursor.fill_(S)
 
     def _fill_ring(self, k, v, positions) -> None:
-        """Ring slot j holds the latest prompt position p with p % W == j (row-wise, left padding)."""
+        """Keep the entries within `window` positions of each row's last one, at slot pos % window.
+
+        Works for any set of original positions (a token subset included): positions inside one
+        window are distinct modulo the window, so no two kept entries share a slot.
+        """
         B, H, S, D = k.shape
         W = self.capacity
-        last = positions.max(dim=1, keepdim=True).values  # (B, 1) last position of each row
-        slot = torch.arange(W, device=k.device)[None]  # (1, W)
-        pos = last - torch.remainder(last - slot, W)  # (B, W), may be < 0 (empty)
-        index = (S - 1 - last + pos).clamp_min(0)  # tensor column holding that position
-        pos = torch.where(pos >= 0, pos, torch.full_like(pos, -1))
-        gather = index[:, None, :, None].expand(B, H, W, D)  # (B, Hkv, W, D)
-        self.k.copy_(k.gather(2, gather))
-        self.v.copy_(v.gather(2, gather))
-        self.pos.copy_(pos[:, None].expand(B, H, W))
+        last = positions.max(dim=1, keepdim=True).values  # (B, 1)
+        keep = (positions >= 0) & (positions > last - W)  # (B, S)
+        slot = torch.where(keep, torch.remainder(positions, W), torch.full_like(positions, W))  # W: discarded
+        slot = slot[:, None].expand(B, H, S)  # (B, Hkv, S)
+        for buf, src in ((self.k, k), (self.v, v)):
+            tmp = buf.new_zeros(B, H, W + 1, D)
+            tmp.scatter_(2, slot[..., None].expand(B, H, S, D), src.to(buf.dtype))
+            buf.copy_(tmp[:, :, :W])
+        pos = positions.new_full((B, H, W + 1), -1)
+        pos.scatter_(2, slot, torch.where(keep, positions, torch.full_like(positions, -1))[:, None].expand(B, H, S))
+        self.pos.copy_(pos[:, :, :W])
 
-    def write(self, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write one step's k, v (B, Hkv, 1, D) with positions (B, 1); compile-safe.
+    def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append S new entries k, v (B, Hkv, S, D) with positions (B, S); compile-safe.
 
-        `slot` (1,) is the slot of full layers; ring layers use position % window per row.
+        Full layers write at the cursor (then advance it); ring layers at position % window.
         """
-        B, H, _, D = k.shape
+        B, H, S, D = k.shape
         if self.window is not None:
-            idx = torch.remainder(positions, self.capacity)[:, None, :]  # (B, 1, 1)
+            if S > self.capacity:  # only the last `window` entries can ever be seen again
+                k, v, positions = k[:, :, -self.capacity:], v[:, :, -self.capacity:], positions[:, -self.capacity:]
+                S = self.capacity
+            idx = torch.remainder(positions, self.capacity)[:, None, :]  # (B, 1, S)
         else:
-            idx = slot.view(1, 1, 1).expand(B, 1, 1)
-        idx = idx.expand(B, H, 1)  # (B, Hkv, 1)
-        self.k.scatter_(2, idx[..., None].expand(B, H, 1, D), k)
-        self.v.scatter_(2, idx[..., None].expand(B, H, 1, D), v)
-        self.pos.scatter_(2, idx, positions[:, None].expand(B, H, 1))
+            idx = (self.cursor + torch.arange(S, device=k.device)).view(1, 1, S).expand(B, 1, S)
+            self.cursor.add_(S)
+        idx = idx.expand(B, H, S)  # (B, Hkv, S)
+        self.k.scatter_(2, idx[..., None].expand(B, H, S, D), k)
+        self.v.scatter_(2, idx[..., None].expand(B, H, S, D), v)
+        self.pos.scatter_(2, idx, positions[:, None].expand(B, H, S))
 
     def nbytes(self) -> int:
         """Bytes of K and V."""

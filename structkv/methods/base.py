@@ -1,0 +1,93 @@
+"""The Method base class: budgets, validation and the hooks the prefill loop calls."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from ..modules.selection import budget_tokens
+
+
+def resolve_layer(depth: float | int, cfg, scored: list[int], what: str) -> int:
+    """A layer index from an int, or from a depth fraction (float in [0, 1]) of the model.
+
+    Methods that score at that layer need a full-attention layer: on hybrid models the nearest
+    one (excluding the last layer) is taken, deeper on ties.
+    """
+    L = cfg.num_layers
+    if isinstance(depth, bool) or not isinstance(depth, (int, float)):
+        raise ValueError(f"{what} must be a layer index (int) or a depth fraction (float), got {depth!r}")
+    if isinstance(depth, float):
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"{what} fraction must be in [0, 1], got {depth}")
+        target = min(int(round(depth * L)), L - 1)
+        pool = [l for l in scored if l < L - 1] or scored
+        return min(pool, key=lambda l: (abs(l - target), -l))
+    if not 0 <= depth < L:
+        raise ValueError(f"{what} {depth} is outside the model's layers 0..{L - 1}")
+    if depth not in scored:
+        raise ValueError(f"{what} {depth} is a sliding-window layer; choose one of the full-attention layers {scored}")
+    return depth
+
+
+@dataclass
+class Method:
+    """Base: keep everything. Subclasses set the class attributes and override hooks.
+
+    Fields shared by every compressing method:
+        kv_budget: KV entries kept per layer, ratio of the prompt length or a token count.
+        window: observation window w (last w prompt tokens, always kept).
+        kernel, pooling: saliency pooling over tokens (FastKV: max-pool, kernel 7).
+        per_head: per-KV-head selection (default) or one selection shared by all heads.
+    """
+
+    name = "full"
+    compresses_kv = False  # per-layer KV selection
+    needs_scores = False  # window_scores at full-attention layers
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("kv_budget", "r_struct", "tsp_rate") and v is not None:
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise ValueError(f"{self.name}: {f.name} must be a ratio in (0, 1] or a token count, got {v!r}")
+                if isinstance(v, float) and not 0.0 < v <= 1.0:
+                    raise ValueError(f"{self.name}: {f.name} ratio must be in (0, 1], got {v}")
+                if isinstance(v, int) and v < 1:
+                    raise ValueError(f"{self.name}: {f.name} must be a positive token count, got {v}")
+        w = getattr(self, "window", 0)
+        if not isinstance(w, int) or w < 0:
+            raise ValueError(f"{self.name}: window must be a non-negative int, got {w!r}")
+        for budget_name in ("kv_budget", "r_struct"):
+            b = getattr(self, budget_name, None)
+            if isinstance(b, int) and not isinstance(b, bool) and b < w:
+                raise ValueError(f"{self.name}: {budget_name}={b} tokens is below the observation window ({w})")
+        if getattr(self, "pooling", None) not in (None, "max", "avg"):
+            raise ValueError(f"{self.name}: pooling must be 'max', 'avg' or None, got {self.pooling!r}")
+
+    def __post_init__(self):
+        self.validate()
+
+    # ------------------------------------------------------------------ planning
+    def kv_keep(self, lengths) -> list[int]:
+        """Entries kept per row in each compressed layer."""
+        keep = budget_tokens(self.kv_budget, lengths, f"{self.name} kv_budget")
+        self._check_window(keep, lengths, "kv_budget")
+        return keep
+
+    def _check_window(self, keep: list[int], lengths, what: str) -> None:
+        w = getattr(self, "window", 0)
+        for b, (k, n) in enumerate(zip(keep, lengths.tolist())):
+            if n < w:
+                raise ValueError(f"{self.name}: prompt {b} has {n} tokens, fewer than the observation window ({w}); "
+                                 "use a smaller window or a longer prompt")
+            if k < min(w, n):
+                raise ValueError(f"{self.name}: {what} keeps {k} of {n} tokens in prompt {b}, below the observation "
+                                 f"window ({w}); raise the budget (needs >= {math.ceil(w / max(n, 1) * 100)}% here)")
+
+    def layer_keep(self, layer: int, cfg, lengths, base: list[int]) -> list[int]:
+        """Per-layer budget (PyramidKV overrides)."""
+        return base
+
+    def describe(self) -> dict:
+        return {"method": self.name, **dataclasses.asdict(self)}

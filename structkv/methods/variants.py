@@ -1,0 +1,144 @@
+"""The methods: defaults follow docs/algorithm.md (FastKV's harness where StructKV is silent)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import Method
+
+
+@dataclass
+class Full(Method):
+    """No compression: the reference every method is measured against."""
+
+    name = "full"
+
+
+@dataclass
+class StreamingLLM(Method):
+    """Keep `sinks` first tokens plus the most recent ones (FastKV port: at prefill end, original
+    positions, no re-rotation)."""
+
+    kv_budget: float | int = 0.1
+    sinks: int = 4
+    window: int = 8
+    name = "streaming_llm"
+    compresses_kv = True
+
+
+@dataclass
+class SnapKV(Method):
+    """Per-layer one-shot selection by pooled observation-window attention (full prefill)."""
+
+    kv_budget: float | int = 0.1
+    window: int = 8
+    kernel: int = 7
+    pooling: str | None = "max"
+    per_head: bool = True
+    name = "snapkv"
+    compresses_kv = True
+    needs_scores = True
+
+
+@dataclass
+class PyramidKV(Method):
+    """SnapKV scoring with budgets falling linearly with depth (same total as SnapKV)."""
+
+    kv_budget: float | int = 0.1
+    window: int = 8
+    kernel: int = 7
+    pooling: str | None = "max"
+    per_head: bool = True
+    beta: float = 20.0
+    name = "pyramidkv"
+    compresses_kv = True
+    needs_scores = True
+
+    def layer_keep(self, layer, cfg, lengths, base):
+        """kvpress/PyramidKV schedule over the scored layers: max at the first, min at the last."""
+        scored = cfg.full_attention_layers
+        if layer not in scored or len(scored) < 2:
+            return base
+        j, m = scored.index(layer), len(scored)
+        out = []
+        for cap, n in zip(base, lengths.tolist()):
+            w = min(self.window, cap)
+            lo = (cap - w) / self.beta
+            hi = 2 * (cap - w) - lo
+            if hi >= n - w:
+                hi = n - w
+                lo = 2 * (cap - w) - hi
+            out.append(int(round(hi - j * (hi - lo) / (m - 1))) + w)
+        return out
+
+
+@dataclass
+class H2O(Method):
+    """Heavy hitters: attention received from *all* prompt queries (one-shot, at prefill end)."""
+
+    kv_budget: float | int = 0.1
+    window: int = 8
+    per_head: bool = True
+    name = "h2o"
+    compresses_kv = True
+    needs_scores = True
+
+
+@dataclass
+class GemFilter(Method):
+    """Run layers 0..r, pick tokens by the last query's raw q.k at layer r (avg-pooled, shared by
+    heads), then re-run the whole model on the selected tokens with positions renumbered."""
+
+    kv_budget: float | int = 0.1
+    filter_layer: float | int = 13 / 32
+    kernel: int = 5
+    window: int = 0  # the official code forces nothing in
+    name = "gemfilter"
+    needs_scores = True
+
+
+@dataclass
+class FastKV(Method):
+    """Token-selective propagation at a fixed layer plus per-layer KV selection."""
+
+    kv_budget: float | int = 0.1
+    tsp_layer: float | int = 15 / 32
+    tsp_rate: float | int = 0.2
+    window: int = 8
+    kernel: int = 7
+    pooling: str | None = "max"
+    per_head: bool = True
+    name = "fastkv"
+    compresses_kv = True
+    needs_scores = True
+
+
+@dataclass
+class StructKV(Method):
+    """Global centrality over depth, dynamic pivot, skeleton propagation, decoupled KV budgets.
+
+    pivot: "dynamic" (online first peak of T inside depth_range), or a fixed layer (int) or depth
+    fraction (float). decay: lambda of C <- lambda * C + S.
+    """
+
+    r_struct: float | int = 0.2
+    kv_budget: float | int = 0.1
+    decay: float = 0.9
+    pivot: str | float | int = "dynamic"
+    depth_range: tuple[float, float] = (0.3, 0.6)
+    weights: tuple[float, float, float] = (0.2, 0.3, 0.5)
+    window: int = 8
+    kernel: int = 7
+    pooling: str | None = "max"
+    per_head: bool = True
+    name = "structkv"
+    compresses_kv = True
+    needs_scores = True
+
+    def validate(self):
+        super().validate()
+        if not 0.0 <= self.decay <= 1.0:
+            raise ValueError(f"structkv: decay must be in [0, 1], got {self.decay}")
+        if isinstance(self.pivot, str) and self.pivot != "dynamic":
+            raise ValueError(f"structkv: pivot must be 'dynamic', a layer index or a depth fraction, got {self.pivot!r}")
+        if len(self.weights) != 3:
+            raise ValueError(f"structkv: weights must be three numbers (entropy, top-k mass, variance), got {self.weights}")

@@ -1,0 +1,84 @@
+"""Top-k token selection shared by every method: budgets, the forced observation window, ties.
+
+Conventions (used by all modules):
+- token lists are per batch row over the *current* columns (B, n); padding columns sit on the
+  left (position -1), the observation window is the last `window` columns;
+- a selection is a sorted index tensor (B, H, K), K = max budget over rows; rows that keep fewer
+  tokens are padded with -1 on the left, so gathered rows stay left-padded;
+- ties are broken towards the earlier token (stable sort), so results are deterministic.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def pool_scores(scores: torch.Tensor, kernel: int, pooling: str | None) -> torch.Tensor:
+    """1-D max or average pooling over tokens with 'same' padding: (B, H, n) -> (B, H, n)."""
+    if pooling is None or kernel <= 1 or scores.shape[-1] == 0:
+        return scores
+    B, H, n = scores.shape
+    x = scores.reshape(B * H, 1, n)  # (B*H, 1, n)
+    if pooling == "max":
+        x = F.max_pool1d(x, kernel, stride=1, padding=kernel // 2)
+    elif pooling == "avg":
+        x = F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
+    else:
+        raise ValueError(f"unknown pooling {pooling!r}: use 'max', 'avg' or None")
+    return x[..., :n].reshape(B, H, n)
+
+
+def budget_tokens(budget: float | int, lengths: torch.Tensor, what: str = "budget") -> list[int]:
+    """Tokens to keep per row: floor(length * ratio) for a ratio in (0, 1], else min(count, length)."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"{what} must be a ratio in (0, 1] or a positive token count, got {budget!r}")
+    lens = [int(x) for x in lengths.tolist()]
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"{what} ratio must be in (0, 1], got {budget}")
+        return [int(n * budget) for n in lens]
+    if budget < 1:
+        raise ValueError(f"{what} must be a positive token count, got {budget}")
+    return [min(budget, n) for n in lens]
+
+
+def select_tokens(scores: torch.Tensor, valid: torch.Tensor, keep: list[int], window: int) -> torch.Tensor:
+    """Keep, per row and head, the last `window` valid tokens plus the best-scored others.
+
+    scores: (B, H, n) (higher is better); valid: (B, n) bool; keep: tokens to keep per row
+    (window included; >= the row length keeps everything). Returns sorted (B, H, K) int64 indices
+    with -1 left padding, K = max(keep).
+    """
+    B, H, n = scores.shape
+    lens = valid.sum(1).tolist()
+    keep = [min(k, l) for k, l in zip(keep, lens)]
+    K = max(keep)
+    col = torch.arange(n, device=scores.device)
+    in_window = col[None] >= n - window  # (1, n): the last `window` columns
+    candidates = valid & ~in_window  # (B, n)
+    masked = torch.where(candidates[:, None], scores.float(), torch.tensor(float("-inf"), device=scores.device))
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices  # (B, H, n)
+    n_best = [max(k - min(window, l), 0) for k, l in zip(keep, lens)]  # per row, outside the window
+    out = torch.full((B, H, K), -1, dtype=torch.long, device=scores.device)
+    for b in range(B):
+        best = order[b, :, : n_best[b]]  # (H, n_best)
+        win = col[(n - min(window, lens[b])):].expand(H, -1)  # (H, w)
+        chosen = torch.cat([best, win], dim=-1).sort(-1).values  # (H, keep_b)
+        out[b, :, K - chosen.shape[-1]:] = chosen
+    return out
+
+
+def pads_last(indices: torch.Tensor) -> torch.Tensor:
+    """Move -1 entries from the front to the end (the layout `compact_kv` expects)."""
+    big = torch.iinfo(torch.long).max
+    moved = torch.where(indices < 0, torch.full_like(indices, big), indices).sort(-1).values
+    return torch.where(moved == big, torch.full_like(moved, -1), moved)
+
+
+def gather_tokens(x: torch.Tensor, indices: torch.Tensor, fill=0) -> torch.Tensor:
+    """Gather columns of x (B, n, ...) at indices (B, K) with -1 -> `fill`."""
+    idx = indices.clamp_min(0)
+    shape = idx.shape + x.shape[2:]
+    out = x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(shape))
+    pad = (indices < 0).view(*idx.shape, *([1] * (x.dim() - 2)))
+    return torch.where(pad, torch.as_tensor(fill, dtype=x.dtype, device=x.device), out)

@@ -1,0 +1,305 @@
+"""StructKV and the baselines: exactness against references, pruning invariants, bad input."""
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import structkv
+from structkv import methods
+from structkv.generation import encode_batch
+from structkv.models import StaticKVCache
+from structkv.models.decoder import visible
+from structkv.modules import (CentralityTracker, PivotDetector, SkeletonPruner, calibrate_pivot, candidate_layers,
+                              select_tokens)
+from structkv.prefill import compress
+
+FULL_BUDGET = {"kv_budget": 1.0, "r_struct": 1.0, "tsp_rate": 1.0}
+
+
+def _ids(n, seed=0):
+    return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _full_options(name):
+    fields = {f for f in methods.get(name).describe()}
+    return {k: v for k, v in FULL_BUDGET.items() if k in fields and not (name == "structkv_coupled" and k == "r_struct")}
+
+
+def _compress(model, ids, method, room=16):
+    tokens, positions, _ = encode_batch(model, [ids] if isinstance(ids[0], int) else ids)
+    return compress(model, tokens, positions, method, room=room)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_dir):
+    return structkv.load(tiny_dir("llama"))
+
+
+@pytest.fixture(scope="module")
+def gemma_tiny(tiny_dir):
+    return structkv.load(tiny_dir("gemma3_text"))
+
+
+# ---------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("name", methods.names())
+def test_budget_at_prompt_length_is_identity(arch, name, tiny_dir):
+    model = structkv.load(tiny_dir(arch))
+    ids = _ids(64)
+    method = methods.get(name, **_full_options(name))
+    ref_logits = model(torch.tensor([ids]))[:, -1]
+    state = _compress(model, ids, method)
+    assert torch.allclose(state.logits, ref_logits, atol=1e-5)
+    full = structkv.generate(model, ids, max_new_tokens=10, stop_at_eos=False, compile=False)
+    out = structkv.generate(model, ids, max_new_tokens=10, stop_at_eos=False, compile=False, method=method)
+    assert out.token_ids == full.token_ids
+
+
+def _same_cache(a, b):
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        assert torch.equal(la.pos, lb.pos)
+        assert torch.allclose(la.k, lb.k, atol=1e-6) and torch.allclose(la.v, lb.v, atol=1e-6)
+
+
+def test_fastkv_with_tsp_rate_1_equals_snapkv(llama):
+    ids = _ids(90)
+    fast = _compress(llama, ids, methods.FastKV(kv_budget=0.2, tsp_rate=1.0, tsp_layer=1))
+    snap = _compress(llama, ids, methods.SnapKV(kv_budget=0.2))
+    _same_cache(fast, snap)
+    assert torch.allclose(fast.logits, snap.logits, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_structkv_lambda0_fixed_pivot_equals_fastkv(arch, tiny_dir):
+    model = structkv.load(tiny_dir(arch))
+    p = model.config.full_attention_layers[0]
+    ids = _ids(100, seed=3)
+    sk = _compress(model, ids, methods.StructKV(pivot=p, decay=0.0, r_struct=0.3, kv_budget=0.2))
+    fk = _compress(model, ids, methods.FastKV(tsp_layer=p, tsp_rate=0.3, kv_budget=0.2))
+    assert torch.equal(sk.kept_columns, fk.kept_columns)
+    _same_cache(sk, fk)
+    assert torch.allclose(sk.logits, fk.logits, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_propagation_equals_restricted_attention_reference(arch, tiny_dir):
+    """After the pivot, kept tokens compute exactly what the full sequence computes with
+    attention restricted to the kept keys."""
+    model = structkv.load(tiny_dir(arch))
+    p = model.config.full_attention_layers[0]
+    ids = _ids(80, seed=5)
+    state = _compress(model, ids, methods.StructKV(pivot=p, r_struct=0.25, kv_budget=1.0))
+    kept = state.kept_columns[0]
+    kept = kept[kept >= 0]
+    assert 0 < len(kept) < 80 and kept[-1] == 79
+    pos = torch.arange(80)[None]
+    h, rope = model.embed(torch.tensor([ids])), model.rope_tables(pos)
+    restricted = torch.full_like(pos, -1)
+    restricted[0, kept] = kept
+    for i in range(model.config.num_layers):
+        keys = None
+        if i > p:
+            keys = lambda k, v: (k, v, restricted)  # noqa: E731
+        h, _, _ = model.layer_forward(i, h, pos, rope, keys=keys)
+    assert torch.allclose(state.logits, model.logits(h[:, -1]), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "streaming_llm", "h2o"])
+def test_decode_over_compacted_cache_equals_masked_full_cache(name, gemma_tiny):
+    model = gemma_tiny
+    ids = _ids(70, seed=7)
+    state = _compress(model, ids, methods.get(name, kv_budget=0.3))
+    tokens, positions, _ = encode_batch(model, [ids])
+    full = StaticKVCache(model.config, 1, 128, model.dtype, model.device)
+    _, kv = model.prompt_pass(tokens, positions)
+    for layer, small, (k, v) in zip(full.layers, state.cache.layers, kv):
+        layer.fill(k, v, positions)
+        if small.window is None:  # drop, per KV head, every position the compressed cache lacks
+            for h in range(layer.pos.shape[1]):
+                keep = set(small.pos[0, h][small.pos[0, h] >= 0].tolist())
+                layer.pos[0, h] = torch.tensor([p if p in keep else -1 for p in layer.pos[0, h].tolist()])
+    cache = state.cache.clone()
+    for step, tok in enumerate([11, 23, 5]):
+        pos = torch.tensor([[70 + step]])
+        ours = model.decode_step(torch.tensor([[tok]]), pos, cache)
+        ref = model.decode_step(torch.tensor([[tok]]), pos, full)
+        assert torch.allclose(ours, ref, atol=1e-5)
+
+
+def test_kept_positions_are_original_positions(llama):
+    ids = _ids(90, seed=2)
+    state = _compress(llama, ids, methods.StructKV(pivot=1, r_struct=0.3, kv_budget=0.15))
+    for layer in state.cache.layers:
+        for h in range(layer.pos.shape[1]):
+            p = layer.pos[0, h][layer.pos[0, h] >= 0]
+            assert len(p) == int(90 * 0.15) or len(p) <= int(90 * 0.3)  # budget, or all skeleton tokens
+            assert torch.equal(p, p.unique()) and int(p.max()) == 89  # sorted, unique, window kept
+    assert state.next_positions.item() == 90
+
+
+# ---------------------------------------------------------------------------- hybrid models
+def test_hybrid_sliding_layers_keep_exact_window(gemma_tiny):
+    cfg = gemma_tiny.config
+    state = _compress(gemma_tiny, _ids(60), methods.StructKV(kv_budget=0.2, r_struct=0.4))
+    for i, layer in enumerate(state.cache.layers):
+        if cfg.window(i) is not None:
+            assert layer.window == cfg.window(i) and layer.capacity == cfg.window(i)
+    assert set(state.stats["centrality_layers"]) <= set(cfg.full_attention_layers)
+    assert state.stats["pivot_layer"] in cfg.full_attention_layers
+    full_entries = [state.stats["kv_entries_per_layer"][i] for i in cfg.full_attention_layers]
+    assert all(e <= int(60 * 0.2) * cfg.num_kv_heads for e in full_entries)
+
+
+# ---------------------------------------------------------------------------- batches and states
+@pytest.mark.parametrize("name", ["snapkv", "fastkv", "structkv", "gemfilter", "pyramidkv"])
+def test_batch_rows_are_independent(name, llama):
+    prompts = [_ids(90, seed=1), _ids(61, seed=2)]
+    method = methods.get(name, kv_budget=0.25)
+    batch = structkv.generate(llama, prompts, max_new_tokens=8, stop_at_eos=False, compile=False, method=method)
+    for p, got in zip(prompts, batch.token_ids):
+        alone = structkv.generate(llama, p, max_new_tokens=8, stop_at_eos=False, compile=False, method=method)
+        assert got == alone.token_ids
+
+
+def test_compress_once_ask_many(llama):
+    context, q1, q2 = _ids(80, seed=1), _ids(6, seed=8), _ids(9, seed=9)
+    state = llama.prefill(context, methods.StructKV(kv_budget=0.2), room=64)
+    a1 = structkv.generate(llama, q1, state=state, max_new_tokens=6, stop_at_eos=False, compile=False)
+    a2 = structkv.generate(llama, q2, state=state, max_new_tokens=6, stop_at_eos=False, compile=False)
+    again = structkv.generate(llama, q1, state=state, max_new_tokens=6, stop_at_eos=False, compile=False)
+    assert again.token_ids == a1.token_ids and len(a2.token_ids) == 6  # the state is not consumed
+    # with the full method, context + question from a state equals the plain prompt
+    full_state = llama.prefill(context, methods.Full(), room=64)
+    via_state = structkv.generate(llama, q1, state=full_state, max_new_tokens=6, stop_at_eos=False, compile=False)
+    plain = structkv.generate(llama, context + q1, max_new_tokens=6, stop_at_eos=False, compile=False)
+    assert via_state.token_ids == plain.token_ids
+
+
+def test_compiled_decode_from_budgeted_cache(llama):
+    method = methods.StructKV(kv_budget=0.2)
+    eager = structkv.generate(llama, _ids(70), max_new_tokens=8, stop_at_eos=False, compile=False, method=method)
+    comp = structkv.generate(llama, _ids(70), max_new_tokens=8, stop_at_eos=False, compile=True, method=method)
+    assert comp.token_ids == eager.token_ids
+    assert eager.stats["prefill_fraction"] < 1.0 and "t_curve" in eager.stats
+
+
+# ---------------------------------------------------------------------------- invariants
+@st.composite
+def selection_case(draw):
+    seed = draw(st.integers(0, 2**16))
+    B, H = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    n = draw(st.integers(4, 60))
+    window = draw(st.integers(0, 4))
+    lens = [draw(st.integers(max(window, 1), n)) for _ in range(B)]
+    keep = [draw(st.integers(max(window, 1), n + 5)) for _ in range(B)]
+    ties = draw(st.booleans())
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 4, (B, H, n), generator=g).float() if ties else torch.rand(B, H, n, generator=g)
+    valid = torch.stack([torch.arange(n) >= n - length for length in lens])
+    scores = torch.where(valid[:, None], scores, torch.rand(B, H, n, generator=g) * 100)  # padding scores high
+    return scores, valid, keep, window, lens
+
+
+@given(selection_case())
+def test_selection_invariants(case):
+    scores, valid, keep, window, lens = case
+    idx = select_tokens(scores, valid, keep, window)
+    B, H, n = scores.shape
+    for b in range(B):
+        for h in range(H):
+            row = idx[b, h]
+            kept = row[row >= 0]
+            assert (row[: len(row) - len(kept)] == -1).all()  # padding on the left only
+            assert torch.equal(kept, kept.unique())  # sorted, unique
+            assert len(kept) == min(keep[b], lens[b])  # budget met exactly
+            assert valid[b, kept].all()  # padding never selected
+            win = torch.arange(n - min(window, lens[b]), n)
+            assert set(win.tolist()) <= set(kept.tolist())  # the window is always kept
+            cand = valid[b] & (torch.arange(n) < n - window)
+            chosen = torch.zeros(n, dtype=torch.bool)
+            chosen[kept] = True
+            dropped = cand & ~chosen
+            picked = cand & chosen
+            if dropped.any() and picked.any():
+                lo = scores[b, h][picked].min()
+                assert lo >= scores[b, h][dropped].max()  # kept scores dominate dropped ones
+                tie = scores[b, h] == lo
+                # ties go to the earlier token: no dropped tie precedes a kept tie
+                assert not (dropped & tie).nonzero().numel() or \
+                    (dropped & tie).nonzero().min() > (picked & tie).nonzero().max()
+        alone = select_tokens(scores[b:b + 1, :, n - lens[b]:], valid[b:b + 1, n - lens[b]:], [keep[b]], window)
+        kept_alone = alone[0][alone[0] >= 0] + (n - lens[b])
+        assert torch.equal(kept_alone, idx[b][idx[b] >= 0].view(H, -1).reshape(-1))  # rows independent
+
+
+def test_centrality_equals_closed_form_through_subsetting():
+    tr = CentralityTracker(decay=0.5)
+    tr.reset(1, 6)
+    s0 = torch.tensor([[1.0, 2, 3, 4, 5, 6]])
+    tr.update(s0, torch.arange(6)[None])
+    s1 = torch.tensor([[10.0, 20, 30]])
+    cols = torch.tensor([[1, 3, 5]])  # a subset survives
+    tr.update(s1, cols)
+    expected = 0.5 * s0
+    expected[0, cols[0]] += s1[0]
+    assert torch.allclose(tr.value, expected) and torch.allclose(tr.current(cols), expected[:, [1, 3, 5]])
+
+
+def test_skeleton_pruner_positions():
+    scores = torch.tensor([[5.0, 0, 4, 1, 0, 0]])
+    valid = torch.ones(1, 6, dtype=torch.bool)
+    h = torch.arange(6.0).view(1, 6, 1)
+    pos = torch.arange(10, 16)[None]
+    orig = SkeletonPruner(window=2)
+    idx = orig.select(scores, valid, [4])
+    assert idx.tolist() == [[0, 2, 4, 5]]
+    (h2, p2) = orig.gather(idx, h, positions=pos)
+    assert p2.tolist() == [[10, 12, 14, 15]] and h2[0, :, 0].tolist() == [0, 2, 4, 5]
+    (_, p3) = SkeletonPruner(window=2, positions="compact").gather(idx, h, positions=pos)
+    assert p3.tolist() == [[0, 1, 2, 3]]
+
+
+def test_pivot_fires_after_first_peak_and_is_forced_at_range_end():
+    det = PivotDetector(num_layers=10, scored_layers=list(range(10)), depth_range=(0.3, 0.6))
+    assert det.candidates == [3, 4, 5, 6]
+    det.reset(2)
+    # row 0: entropy falls fastest into layer 4 -> T peaks at 4, fires at 5; row 1: flat -> forced at 6
+    H0 = [1.0, 0.95, 0.9, 0.85, 0.5, 0.45, 0.44, 0.43, 0.4, 0.4]
+    fired_at = [None, None]
+    for layer in range(10):
+        stats = torch.tensor([[H0[layer], 0.1, 0.01], [0.9, 0.1, 0.01]])
+        for b, f in enumerate(det.observe(layer, stats)):
+            if f:
+                fired_at[b] = layer
+    assert fired_at == [5, 6]
+    assert max(det.traces[0].t_curve, key=det.traces[0].t_curve.get) == 4
+    assert calibrate_pivot(det.traces[:1], det.candidates) == 5
+
+
+def test_candidate_layers_on_hybrid_models():
+    assert candidate_layers(18, [5, 11, 17]) == [11]  # Gemma 3 270M: no full layer in 0.3L..0.6L
+    assert candidate_layers(32, list(range(32))) == list(range(10, 20))
+
+
+# ---------------------------------------------------------------------------- bad input
+def test_bad_budgets_and_names(llama):
+    for bad in (0.0, 1.5, -3, 0):
+        with pytest.raises(ValueError, match="kv_budget"):
+            methods.SnapKV(kv_budget=bad)
+    with pytest.raises(ValueError, match="below the observation window"):
+        methods.SnapKV(kv_budget=4)
+    with pytest.raises(ValueError, match="unknown method 'snap'.*valid: full, streaming_llm, snapkv"):
+        methods.get("snap")
+    with pytest.raises(ValueError, match="unknown option\\(s\\) \\['budget'\\].*valid"):
+        methods.get("fastkv", budget=0.1)
+    with pytest.raises(ValueError, match="pivot must be 'dynamic'"):
+        methods.StructKV(pivot="auto")
+    with pytest.raises(ValueError, match="fewer than the observation window"):
+        _compress(llama, _ids(5), methods.SnapKV(kv_budget=0.5))
+    with pytest.raises(ValueError, match="below the observation window"):
+        _compress(llama, _ids(40), methods.SnapKV(kv_budget=0.1))  # 4 tokens < window 8
+
+
+def test_sliding_layer_rejected_as_tsp_layer(gemma_tiny):
+    with pytest.raises(ValueError, match="sliding-window layer; choose one of the full-attention layers"):
+        _compress(gemma_tiny, _ids(60), methods.FastKV(tsp_layer=0, kv_budget=0.3))
