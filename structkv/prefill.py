@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 from .methods import FastKV, Full, GemFilter, H2O, Method, StreamingLLM, StructKV
 from .methods.base import resolve_layer
-from .models.decoder import visible
 from .modules import (BudgetedKVCache, CentralityTracker, PivotDetector, SkeletonPruner, budget_tokens,
                       gather_tokens, pool_scores, select_tokens)
 from .ops import window_scores
@@ -142,7 +141,7 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
         block = model.model.layers[i]
         attn = block.self_attn
         q, k, v = attn.qkv(block.attention_input(h), *rope[cfg.layer_types[i]])
-        h = block.finish(h, attn.attend(q, k, v, visible(pos, pos, attn.window)))
+        h = block.finish(h, model.self_attention(i, q, k, v, pos))
         n = h.shape[1]
 
         sal = ent = None

@@ -114,6 +114,38 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # (B, S, Hq*D) -> (B, S, E)
 
 
+def sliding_self_attention(attn: "Attention", q, k, v, positions: torch.Tensor) -> torch.Tensor:
+    """Self-attention of a sliding-window layer in blocks of W queries over 2W keys: O(S*W), not O(S^2).
+
+    q (B, Hq, S, D), k, v (B, Hkv, S, D), positions (B, S). Exact for any token subset: positions
+    increase with the index, so a key fewer than W positions back is fewer than W indices back,
+    i.e. in the query's block or the one before. Returns (B, S, E).
+    """
+    B, Hq, S, D = q.shape
+    Hkv, W = k.shape[1], attn.window
+    nb = S // W + 2  # >= 2 blocks whatever S: no size-1 special case, so no guard on S under compile
+    pad = nb * W - S
+    q = F.pad(q, (0, 0, 0, pad))  # (B, Hq, nb*W, D)
+    k = F.pad(k, (0, 0, W, pad))  # one block of empty keys in front: (B, Hkv, (nb+1)*W, D)
+    v = F.pad(v, (0, 0, W, pad))
+    q_pos = F.pad(positions, (0, pad), value=-1)  # (B, nb*W)
+    k_pos = F.pad(positions, (W, pad), value=-1)  # (B, (nb+1)*W)
+    qb = q.view(B, Hq, nb, W, D).transpose(1, 2).reshape(B * nb, Hq, W, D)  # (B*nb, Hq, W, D)
+
+    def pairs(x):  # (B, H, (nb+1)*W, D) -> (B*nb, H, 2W, D): block j-1 followed by block j
+        blocks = x.view(B, x.shape[1], nb + 1, W, D)
+        both = torch.cat([blocks[:, :, :-1], blocks[:, :, 1:]], dim=3)  # (B, H, nb, 2W, D)
+        return both.transpose(1, 2).reshape(B * nb, x.shape[1], 2 * W, D)
+
+    kb, vb = pairs(k), pairs(v)
+    pos_blocks = k_pos.view(B, nb + 1, W)
+    k_pos_b = torch.cat([pos_blocks[:, :-1], pos_blocks[:, 1:]], dim=2).reshape(B * nb, 2 * W)  # (B*nb, 2W)
+    mask = visible(q_pos.view(B * nb, W), k_pos_b, W)  # (B*nb, 1, W, 2W)
+    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=attn.scale, enable_gqa=True)
+    out = out.view(B, nb, Hq, W, D).transpose(1, 2).reshape(B, Hq, nb * W, D)[:, :, :S]  # (B, Hq, S, D)
+    return attn.o_proj(out.transpose(1, 2).reshape(B, S, Hq * D))
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -224,11 +256,20 @@ class Decoder(nn.Module):
         attn = block.self_attn
         q, k, v = attn.qkv(block.attention_input(h), *rope[self.config.layer_types[i]])
         if keys is None:
-            k_all, v_all, k_pos = k, v, positions
+            out = self.self_attention(i, q, k, v, positions)
         else:
             k_all, v_all, k_pos = keys(k, v)
-        out = attn.attend(q, k_all, v_all, visible(positions, k_pos, attn.window))
+            out = attn.attend(q, k_all, v_all, visible(positions, k_pos, attn.window))
         return block.finish(h, out), k, v
+
+    def self_attention(self, i: int, q, k, v, positions) -> torch.Tensor:
+        """Layer `i`'s attention of the tokens over themselves: (B, S, E). Sliding layers go blockwise."""
+        attn = self.model.layers[i].self_attn
+        # Blockwise in eager mode; under torch.compile its block arithmetic on a dynamic length adds
+        # shape guards that break "one compile for every prompt length", so the masked path is used.
+        if attn.window is not None and not torch.compiler.is_compiling():
+            return sliding_self_attention(attn, q, k, v, positions)
+        return attn.attend(q, k, v, visible(positions, positions, attn.window))
 
     # ------------------------------------------------------------------ passes
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
