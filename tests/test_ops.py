@@ -198,3 +198,20 @@ def test_compact_kv_bad_input():
         call(torch.tensor([[[0, 1], [1, 2]]], dtype=torch.int32))
     with pytest.raises(ValueError, match="caches must be"):
         call(torch.tensor([[[0, 1], [1, 2]]]), kc=torch.zeros(B, H, C, D + 1))
+
+
+@pytest.mark.parametrize("S,window", [(1, 4), (7, 4), (8, 4), (19, 5)])
+def test_sliding_window_attention_op(S, window):
+    """Blockwise sliding attention equals masked full attention, and the op registers cleanly."""
+    import torch.nn.functional as F
+
+    from structkv.models.decoder import visible
+
+    g = torch.Generator().manual_seed(S)
+    q, k, v = torch.randn(2, 4, S, 8, generator=g), torch.randn(2, 2, S, 8, generator=g), torch.randn(2, 2, S, 8, generator=g)
+    pos = torch.arange(S).expand(2, S).clone()
+    pos[1, : S // 3] = -1  # left padding in row 1
+    out = torch.ops.structkv.sliding_window_attention(q, k, v, pos, window, 0.3)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=visible(pos, pos, window), scale=0.3, enable_gqa=True)
+    assert torch.allclose(out, ref, atol=1e-5)
+    torch.library.opcheck(torch.ops.structkv.sliding_window_attention.default, (q, k, v, pos, window, 0.3))

@@ -114,16 +114,17 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # (B, S, Hq*D) -> (B, S, E)
 
 
-def sliding_self_attention(attn: "Attention", q, k, v, positions: torch.Tensor) -> torch.Tensor:
+def sliding_self_attention(q, k, v, positions: torch.Tensor, window: int, scale: float) -> torch.Tensor:
     """Self-attention of a sliding-window layer in blocks of W queries over 2W keys: O(S*W), not O(S^2).
 
-    q (B, Hq, S, D), k, v (B, Hkv, S, D), positions (B, S). Exact for any token subset: positions
-    increase with the index, so a key fewer than W positions back is fewer than W indices back,
-    i.e. in the query's block or the one before. Returns (B, S, E).
+    q (B, Hq, S, D), k, v (B, Hkv, S, D), positions (B, S) -> (B, Hq, S, D). Exact for any token
+    subset: positions increase with the index, so a key fewer than W positions back is fewer than
+    W indices back, i.e. in the query's block or the one before. Registered as an opaque op
+    (`structkv::sliding_window_attention`) so a compiled prefill stays dynamic in S.
     """
     B, Hq, S, D = q.shape
-    Hkv, W = k.shape[1], attn.window
-    nb = S // W + 2  # >= 2 blocks whatever S: no size-1 special case, so no guard on S under compile
+    Hkv, W = k.shape[1], window
+    nb = (S + W - 1) // W
     pad = nb * W - S
     q = F.pad(q, (0, 0, 0, pad))  # (B, Hq, nb*W, D)
     k = F.pad(k, (0, 0, W, pad))  # one block of empty keys in front: (B, Hkv, (nb+1)*W, D)
@@ -131,19 +132,22 @@ def sliding_self_attention(attn: "Attention", q, k, v, positions: torch.Tensor) 
     q_pos = F.pad(positions, (0, pad), value=-1)  # (B, nb*W)
     k_pos = F.pad(positions, (W, pad), value=-1)  # (B, (nb+1)*W)
     qb = q.view(B, Hq, nb, W, D).transpose(1, 2).reshape(B * nb, Hq, W, D)  # (B*nb, Hq, W, D)
+    kb = k.unfold(2, 2 * W, W).permute(0, 2, 1, 4, 3).reshape(B * nb, Hkv, 2 * W, D)  # (B*nb, Hkv, 2W, D)
+    vb = v.unfold(2, 2 * W, W).permute(0, 2, 1, 4, 3).reshape(B * nb, Hkv, 2 * W, D)
+    mask = visible(q_pos.view(B * nb, W), k_pos.unfold(1, 2 * W, W).reshape(B * nb, 2 * W), W)  # (B*nb, 1, W, 2W)
+    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.view(B, nb, Hq, W, D).transpose(1, 2).reshape(B, Hq, nb * W, D)[:, :, :S]  # (B, Hq, S, D)
 
-    def pairs(x):  # (B, H, (nb+1)*W, D) -> (B*nb, H, 2W, D): block j-1 followed by block j
-        blocks = x.view(B, x.shape[1], nb + 1, W, D)
-        both = torch.cat([blocks[:, :, :-1], blocks[:, :, 1:]], dim=3)  # (B, H, nb, 2W, D)
-        return both.transpose(1, 2).reshape(B * nb, x.shape[1], 2 * W, D)
 
-    kb, vb = pairs(k), pairs(v)
-    pos_blocks = k_pos.view(B, nb + 1, W)
-    k_pos_b = torch.cat([pos_blocks[:, :-1], pos_blocks[:, 1:]], dim=2).reshape(B * nb, 2 * W)  # (B*nb, 2W)
-    mask = visible(q_pos.view(B * nb, W), k_pos_b, W)  # (B*nb, 1, W, 2W)
-    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=attn.scale, enable_gqa=True)
-    out = out.view(B, nb, Hq, W, D).transpose(1, 2).reshape(B, Hq, nb * W, D)[:, :, :S]  # (B, Hq, S, D)
-    return attn.o_proj(out.transpose(1, 2).reshape(B, S, Hq * D))
+@torch.library.custom_op("structkv::sliding_window_attention", mutates_args=())
+def _sliding_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int,
+                scale: float) -> torch.Tensor:
+    return sliding_self_attention(q, k, v, positions, window, scale).contiguous()
+
+
+@_sliding_op.register_fake
+def _(q, k, v, positions, window, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 class MLP(nn.Module):
@@ -265,10 +269,10 @@ class Decoder(nn.Module):
     def self_attention(self, i: int, q, k, v, positions) -> torch.Tensor:
         """Layer `i`'s attention of the tokens over themselves: (B, S, E). Sliding layers go blockwise."""
         attn = self.model.layers[i].self_attn
-        # Blockwise in eager mode; under torch.compile its block arithmetic on a dynamic length adds
-        # shape guards that break "one compile for every prompt length", so the masked path is used.
-        if attn.window is not None and not torch.compiler.is_compiling():
-            return sliding_self_attention(attn, q, k, v, positions)
+        if attn.window is not None:  # blockwise, as an opaque op (its block arithmetic would add shape guards)
+            out = _sliding_op(q, k, v, positions, attn.window, attn.scale)  # (B, Hq, S, D)
+            B, _, S, _ = out.shape
+            return attn.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # (B, S, E)
         return attn.attend(q, k, v, visible(positions, positions, attn.window))
 
     # ------------------------------------------------------------------ passes
