@@ -40,18 +40,11 @@ class SnapKV(Method):
 
 
 @dataclass
-class PyramidKV(Method):
+class PyramidKV(SnapKV):
     """SnapKV scoring with budgets falling linearly with depth (same total as SnapKV)."""
 
-    kv_budget: float | int = 0.1
-    window: int = 8
-    kernel: int = 7
-    pooling: str | None = "max"
-    per_head: bool = True
     beta: float = 20.0
     name = "pyramidkv"
-    compresses_kv = True
-    needs_scores = True
 
     def layer_keep(self, layer, cfg, lengths, base):
         """kvpress/PyramidKV schedule over the scored layers: max at the first, min at the last."""
