@@ -23,7 +23,7 @@ import math
 
 import torch
 
-CHUNK = 2048  # keys per chunk in the CPU reference
+CHUNK = 1024  # keys per chunk in the CPU reference
 
 
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -51,30 +51,28 @@ def window_scores_reference(q, k, q_pos, k_pos, scale: float, window: int = 0, s
     Hkv, N = k.shape[1], k.shape[2]
     G = Hq // Hkv
     qg = q.float().reshape(B, Hkv, G, w, D)  # (B, Hkv, G, w, D)
-    neg = torch.tensor(float("-inf"))
     m = torch.full((B, Hkv, G, w), float("-inf"))
     l = torch.zeros(B, Hkv, G, w)
     e = torch.zeros(B, Hkv, G, w)
     for s in range(0, N, chunk):  # pass 1: online max, sum of exp, sum of exp * logit
-        x = _logits(qg, k[:, :, s:s + chunk], scale, softcap)
-        vis = _visible(q_pos, k_pos[:, s:s + chunk], window)
-        x = torch.where(vis, x, neg)
+        x = _logits(qg, k[:, :, s:s + chunk], scale, softcap)  # (B, Hkv, G, w, c)
+        hidden = ~_visible(q_pos, k_pos[:, s:s + chunk], window)
+        x.masked_fill_(hidden, float("-inf"))
         m_new = torch.maximum(m, x.amax(-1))
-        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-        alpha = torch.where(torch.isfinite(m), torch.exp(m - m_safe), torch.zeros_like(m))
-        p = torch.exp(x - m_safe[..., None])  # 0 where invisible
-        l = l * alpha + p.sum(-1)
-        e = e * alpha + (p * torch.where(vis, x, torch.zeros_like(x))).sum(-1)
+        m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
+        alpha = torch.where(torch.isfinite(m), torch.exp(m - m_safe), 0.0)
+        e.mul_(alpha).add_(torch.nan_to_num(x, neginf=0.0).mul_(torch.exp(x - m_safe[..., None])).sum(-1))
+        l.mul_(alpha).add_(x.sub_(m_safe[..., None]).exp_().sum(-1))
         m = m_new
     seen = l > 0
-    lse = torch.where(seen, m + torch.log(torch.where(seen, l, torch.ones_like(l))), torch.zeros_like(l))
-    entropy = torch.where(seen, lse - e / torch.where(seen, l, torch.ones_like(l)), torch.zeros_like(l))
+    l_safe = torch.where(seen, l, 1.0)
+    lse = torch.where(seen, m + torch.log(l_safe), float("inf"))  # +inf: an unseen row contributes 0
+    entropy = torch.where(seen, lse - e / l_safe, 0.0)
     saliency = torch.zeros(B, Hkv, N)
     for s in range(0, N, chunk):  # pass 2: normalised probabilities, summed over group and window
         x = _logits(qg, k[:, :, s:s + chunk], scale, softcap)
-        vis = _visible(q_pos, k_pos[:, s:s + chunk], window) & seen[..., None]
-        p = torch.where(vis, torch.exp(x - lse[..., None]), torch.zeros_like(x))
-        saliency[:, :, s:s + chunk] = p.sum(dim=(2, 3)) / w
+        x.masked_fill_(~_visible(q_pos, k_pos[:, s:s + chunk], window), float("-inf"))
+        saliency[:, :, s:s + chunk] = x.sub_(lse[..., None]).exp_().sum(dim=(2, 3)).div_(w)
     return saliency, entropy.reshape(B, Hq, w).clamp_min(0.0)
 
 
