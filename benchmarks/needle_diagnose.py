@@ -15,6 +15,7 @@ import torch
 import structkv
 from structkv.data import needle_prompt
 from structkv.generation import encode_batch
+from structkv.models.decoder import run_block
 from structkv.modules import pool_scores
 from structkv.ops import window_scores
 from structkv.prefill import compress
@@ -30,8 +31,7 @@ def needle_ranks(model, ids, span, window=8, kernel=7):
     n = tokens.shape[1]
     out = {}
     for i in range(model.config.num_layers):
-        block = model.model.layers[i]
-        q, k, v = block.self_attn.qkv(block.attention_input(h), *rope[model.config.layer_types[i]])
+        h, q, k, _ = run_block(model.model.layers[i], h, positions, *rope[model.config.layer_types[i]])
         if model.config.window(i) is None:
             sal, _ = window_scores(q[:, :, -window:], k, positions[:, -window:].contiguous(), positions,
                                    scale=model.config.scale)
@@ -41,7 +41,6 @@ def needle_ranks(model, ids, span, window=8, kernel=7):
             rank[order] = torch.arange(1, len(order) + 1)
             r = rank[span[0]:span[1]]
             out[i] = (int(r.min()), int(r.max()))
-        h = block.finish(h, model.self_attention(i, q, k, v, positions))
     return out
 
 

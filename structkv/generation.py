@@ -157,7 +157,7 @@ def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.
         if method is not None and method.name != "full":
             from .prefill import compress
 
-            compressed = compress(model, tokens, positions, method, room=max_new_tokens)
+            compressed = compress(model, tokens, positions, method, room=max_new_tokens, compile=backend or False)
             cache, logits, next_pos = compressed.cache, compressed.logits, compressed.next_positions
             stats.update(compressed.stats)
         else:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from .methods import FastKV, Full, GemFilter, H2O, Method, StreamingLLM, StructKV
 from .methods.base import resolve_layer
+from .models.decoder import run_block
 from .modules import (BudgetedKVCache, CentralityTracker, PivotDetector, SkeletonPruner, budget_tokens,
                       gather_tokens, pool_scores, select_tokens)
 from .ops import window_scores
@@ -83,10 +84,25 @@ def _gemfilter_scores(q, k, valid, kernel: int) -> torch.Tensor:
     return F.avg_pool1d(z[:, None], kernel, stride=1, padding=kernel // 2, count_include_pad=True)[:, 0, : z.shape[1]]
 
 
+_COMPILED_BLOCKS: dict = {}
+
+
+def compiled_block(backend="inductor"):
+    """`run_block` compiled once per backend; with a dynamic token count it serves every layer of
+    a kind (full / sliding) at every length, before and after propagation."""
+    if backend not in _COMPILED_BLOCKS:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        _COMPILED_BLOCKS[backend] = torch.compile(run_block, fullgraph=True, backend=backend)
+    return _COMPILED_BLOCKS[backend]
+
+
 @torch.inference_mode()
 def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Method | None = None,
-             room: int = 256) -> CompressedState:
+             room: int = 256, compile=False) -> CompressedState:
     """Prefill `tokens` (B, S) at `positions` (B, S) (-1 = left padding) with `method`.
+
+    `compile`: False (eager), True (inductor) or a backend: each layer block runs compiled with a
+    dynamic length; scoring, selection and the pivot decision stay on the host between blocks.
 
     `room`: cache slots left after the kept entries for tokens appended later (generation, questions).
     """
@@ -98,6 +114,7 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
         raise ValueError("the model has no full-attention layer to score; compression needs one")
     valid = positions >= 0
     lengths = valid.sum(1)
+    block_fn = run_block if not compile else compiled_block("inductor" if compile is True else compile)
     t0 = time.perf_counter()
     timers = {"scoring_s": 0.0, "selection_s": 0.0}
 
@@ -130,7 +147,7 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
 
     # ---------------------------------------------------------------- the layer loop
     h = model.embed(tokens)
-    pos = positions
+    pos = positions.clone()  # an inference tensor like every later one: no recompile after propagation
     cols = torch.arange(S, device=tokens.device).expand(B, S)  # original column of each token
     rope = model.rope_tables(pos)
     processed: list[int] = []
@@ -138,10 +155,11 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
     for i in range(L):
         valid = pos >= 0
         processed.append(int(valid.sum()))
-        block = model.model.layers[i]
-        attn = block.self_attn
-        q, k, v = attn.qkv(block.attention_input(h), *rope[cfg.layer_types[i]])
-        h = block.finish(h, model.self_attention(i, q, k, v, pos))
+        cos, sin = rope[cfg.layer_types[i]]
+        if block_fn is not run_block:  # one compile for every length: mark the token dimension dynamic
+            for t, dim in ((h, 1), (pos, 1), (cos, 2), (sin, 2)):
+                torch._dynamo.mark_dynamic(t, dim, min=2, max=cfg.max_position_embeddings)
+        h, q, k, v = block_fn(model.model.layers[i], h, pos, cos, sin)
         n = h.shape[1]
 
         sal = ent = None
@@ -196,7 +214,7 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
             new_tokens = torch.where(idx >= 0, tokens.gather(1, new_cols), torch.zeros_like(new_cols))
             new_pos = torch.where(idx >= 0, (idx >= 0).long().cumsum(1) - 1, torch.full_like(idx, -1))
             timers["selection_s"] += time.perf_counter() - t
-            rerun = compress(model, new_tokens, new_pos, Full(), room)
+            rerun = compress(model, new_tokens, new_pos, Full(), room, compile=compile)
             stats = _stats(model, method, lengths, processed + rerun.stats["tokens_per_layer"], rerun.cache,
                            [gem_layer] * B, None, timers, t0, syncs=1)
             return CompressedState(rerun.cache, rerun.logits, rerun.next_positions, lengths.tolist(), method, stats,

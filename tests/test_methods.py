@@ -303,3 +303,22 @@ def test_bad_budgets_and_names(llama):
 def test_sliding_layer_rejected_as_tsp_layer(gemma_tiny):
     with pytest.raises(ValueError, match="sliding-window layer; choose one of the full-attention layers"):
         _compress(gemma_tiny, _ids(60), methods.FastKV(tsp_layer=0, kv_budget=0.3))
+
+
+def test_compiled_blocks_equal_eager_and_compile_once(llama, gemma_tiny):
+    """Compressed prefill with compiled layer blocks: same result as eager, and one graph per
+    layer kind serves every length, before and after propagation."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    for model in (llama, gemma_tiny):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("inductor")
+        kinds = len(set(model.config.layer_types))
+        for n, seed in ((70, 1), (93, 2), (120, 3)):
+            method = methods.StructKV(kv_budget=0.2, r_struct=0.3)
+            eager = _compress(model, _ids(n, seed), method)
+            tokens, positions, _ = encode_batch(model, [_ids(n, seed)])
+            comp = compress(model, tokens, positions, method, room=16, compile=counter)
+            assert torch.allclose(comp.logits, eager.logits, atol=1e-4)
+            assert torch.equal(comp.kept_columns, eager.kept_columns)
+        assert counter.frame_count <= kinds

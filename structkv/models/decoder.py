@@ -150,6 +150,25 @@ def _(q, k, v, positions, window, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+def self_attention(attn: "Attention", q, k, v, positions: torch.Tensor) -> torch.Tensor:
+    """Attention of the tokens over themselves: (B, S, E). Sliding layers go blockwise, through an
+    opaque op (its block arithmetic on a dynamic length would otherwise add shape guards)."""
+    if attn.window is not None:
+        out = _sliding_op(q, k, v, positions, attn.window, attn.scale)  # (B, Hq, S, D)
+        B, _, S, _ = out.shape
+        return attn.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # (B, S, E)
+    return attn.attend(q, k, v, visible(positions, positions, attn.window))
+
+
+def run_block(block: "Block", h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """One layer on tokens attending to themselves: new h (B, S, E) and the layer's q, k, v.
+
+    A free function of the block, so one compiled graph serves every layer of a kind."""
+    attn = block.self_attn
+    q, k, v = attn.qkv(block.attention_input(h), cos, sin)
+    return block.finish(h, self_attention(attn, q, k, v, positions)), q, k, v
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -257,23 +276,14 @@ class Decoder(nn.Module):
         are returned either way.
         """
         block = self.model.layers[i]
+        if keys is None:
+            h, _, k, v = run_block(block, h, positions, *rope[self.config.layer_types[i]])
+            return h, k, v
         attn = block.self_attn
         q, k, v = attn.qkv(block.attention_input(h), *rope[self.config.layer_types[i]])
-        if keys is None:
-            out = self.self_attention(i, q, k, v, positions)
-        else:
-            k_all, v_all, k_pos = keys(k, v)
-            out = attn.attend(q, k_all, v_all, visible(positions, k_pos, attn.window))
+        k_all, v_all, k_pos = keys(k, v)
+        out = attn.attend(q, k_all, v_all, visible(positions, k_pos, attn.window))
         return block.finish(h, out), k, v
-
-    def self_attention(self, i: int, q, k, v, positions) -> torch.Tensor:
-        """Layer `i`'s attention of the tokens over themselves: (B, S, E). Sliding layers go blockwise."""
-        attn = self.model.layers[i].self_attn
-        if attn.window is not None:  # blockwise, as an opaque op (its block arithmetic would add shape guards)
-            out = _sliding_op(q, k, v, positions, attn.window, attn.scale)  # (B, Hq, S, D)
-            B, _, S, _ = out.shape
-            return attn.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # (B, S, E)
-        return attn.attend(q, k, v, visible(positions, positions, attn.window))
 
     # ------------------------------------------------------------------ passes
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
