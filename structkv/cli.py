@@ -29,6 +29,18 @@ def _demo(args) -> int:
     print(f"needle prompt: {len(needle.prompt_ids)} tokens, needle at depth {args.depth:.0%}")
     print(f"answer: {out.text.strip()!r} (expected {needle.answer}) -> {'FOUND' if found else 'MISSED'}")
     print(f"prefill {s['prefill_s']:.2f} s ({len(needle.prompt_ids) / s['prefill_s']:.0f} tok/s), decode {s['decode_tokens_per_s']:.1f} tok/s, KV cache {s['kv_cache_bytes'] / 2**20:.1f} MiB")
+
+    method = structkv.methods.get("structkv", r_struct=args.r_struct, kv_budget=args.kv_budget)
+    out = structkv.generate(model, needle.prompt_ids, max_new_tokens=12, compile=not args.eager, method=method)
+    s = out.stats
+    hit = needle.answer in out.text.replace(",", "")
+    full_layers = model.config.full_attention_layers
+    print(f"\nStructKV (R_struct={args.r_struct}, R_KV={args.kv_budget}): answer {out.text.strip()!r} -> "
+          f"{'FOUND' if hit else 'MISSED'}")
+    print(f"pivot layer {s['pivot_layer']} (T curve {s.get('t_curve')}), prefill fraction {s['prefill_fraction']:.2f} "
+          f"(tokens per layer {s['tokens_per_layer']}), KV entries in full-attention layers "
+          f"{[s['kv_entries_per_layer'][i] for i in full_layers]}, prefill {s['prefill_s']:.2f} s "
+          f"(scoring {s['scoring_s'] * 1000:.0f} ms, selection {s['selection_s'] * 1000:.0f} ms)")
     return 0 if found else 1
 
 
@@ -53,6 +65,8 @@ def main(argv=None) -> int:
     d.add_argument("--data", default=None, help="data folder (default: $STRUCTKV_DATA or ../shared/data)")
     d.add_argument("--threads", type=int, default=None)
     d.add_argument("--eager", action="store_true", help="skip torch.compile")
+    d.add_argument("--kv-budget", type=float, default=0.1)
+    d.add_argument("--r-struct", type=float, default=0.2)
     d.set_defaults(fn=_demo)
     g = sub.add_parser("generate", help="continue a prompt")
     g.add_argument("prompt")

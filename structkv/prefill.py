@@ -116,7 +116,7 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
     lengths = valid.sum(1)
     block_fn = run_block if not compile else compiled_block("inductor" if compile is True else compile)
     t0 = time.perf_counter()
-    timers = {"scoring_s": 0.0, "selection_s": 0.0}
+    timers = {"scoring_s": 0.0, "selection_s": 0.0, "cache_fill_s": 0.0}
 
     # ---------------------------------------------------------------- plan (host, once)
     kv_keep = method.kv_keep(lengths) if method.compresses_kv else None
@@ -172,12 +172,16 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
             timers["scoring_s"] += time.perf_counter() - t
 
         t = time.perf_counter()
+        idx = None
         if i in layer_keep:
             scores = _kv_scores(method, sal, q, k, pos, valid, cfg)
             idx = select_tokens(scores, valid, layer_keep[i], method.window)
-            cache.fill(i, k, v, pos, idx.expand(B, k.shape[1], -1) if idx.shape[1] == 1 else idx)
-        else:
-            cache.fill(i, k, v, pos, None)
+            idx = idx.expand(B, k.shape[1], -1) if idx.shape[1] == 1 else idx
+        timers["selection_s"] += time.perf_counter() - t
+        t = time.perf_counter()
+        cache.fill(i, k, v, pos, idx)
+        timers["cache_fill_s"] += time.perf_counter() - t
+        t = time.perf_counter()
 
         keep_rows = None  # per-row token counts to keep after this layer (None: no propagation)
         if i == tsp_layer:

@@ -55,22 +55,19 @@ class Tokenizer:
         tok = HFTokenizer.from_file(str(path))
         if add_bos is not None:  # decided by the caller (e.g. GGUF metadata)
             return cls(tok, bos_id=bos_id, eos_ids=tuple(eos_ids), pad_id=pad_id, add_bos=add_bos)
-        add_bos = bos_id is not None
+        add_bos = None
         cfg_path = path.parent / "tokenizer_config.json"
         if cfg_path.exists():
             tcfg = json.loads(cfg_path.read_text())
-            if "add_bos_token" in tcfg:
-                add_bos = bool(tcfg["add_bos_token"])
+            add_bos = tcfg.get("add_bos_token")
             bos_tok = tcfg.get("bos_token")
             if isinstance(bos_tok, dict):
                 bos_tok = bos_tok.get("content")
-            if bos_id is None and isinstance(bos_tok, str):
+            if isinstance(bos_tok, str) and tok.token_to_id(bos_tok) is not None:
                 bos_id = tok.token_to_id(bos_tok)
-        # A post-processor that already inserts BOS (Llama 3 style) decides on its own.
-        if add_bos and bos_id is not None:
-            with_special = tok.encode("a", add_special_tokens=True).ids
-            add_bos = bos_id in with_special
-        return cls(tok, bos_id=bos_id, eos_ids=eos_ids, pad_id=pad_id, add_bos=add_bos and bos_id is not None)
+        if add_bos is None and bos_id is not None:  # no explicit setting: do what the post-processor does
+            add_bos = bos_id in tok.encode("a", add_special_tokens=True).ids
+        return cls(tok, bos_id=bos_id, eos_ids=eos_ids, pad_id=pad_id, add_bos=bool(add_bos) and bos_id is not None)
 
     @classmethod
     def from_gguf_fields(cls, fields: dict) -> "Tokenizer":

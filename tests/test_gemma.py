@@ -40,3 +40,18 @@ def test_needle_1k_answered(gemma, depth):
     needle = needle_prompt(gemma.tokenizer, 1024, depth, seed=int(depth * 10))
     out = structkv.generate(gemma, needle.prompt_ids, max_new_tokens=10, compile=False)
     assert needle.answer in out.text.replace(",", ""), (needle.answer, out.text)
+
+
+def test_hf_folder_with_tokenizer_json(gemma, tiny_dir, tmp_path):
+    """A HF folder's tokenizer.json + tokenizer_config.json: BOS added as configured, specials skipped."""
+    import json
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_dir("gemma3_text"), folder)
+    gemma.tokenizer.save(folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "bos_token": "<bos>"}))
+    tok = structkv.load(folder).tokenizer
+    ids = tok.encode("The capital of France")
+    assert ids[0] == 2 and ids == gemma.tokenizer.encode("The capital of France")
+    assert tok.decode(ids + [1]) == "The capital of France"  # <bos>, <eos> skipped

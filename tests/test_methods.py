@@ -322,3 +322,11 @@ def test_compiled_blocks_equal_eager_and_compile_once(llama, gemma_tiny):
             assert torch.allclose(comp.logits, eager.logits, atol=1e-4)
             assert torch.equal(comp.kept_columns, eager.kept_columns)
         assert counter.frame_count <= kinds
+
+
+def test_shared_selection_is_the_same_for_every_head(llama):
+    state = _compress(llama, _ids(90), methods.SnapKV(kv_budget=0.2, per_head=False))
+    per_head = _compress(llama, _ids(90), methods.SnapKV(kv_budget=0.2))
+    for shared_layer, head_layer in zip(state.cache.layers, per_head.cache.layers):
+        assert (shared_layer.pos == shared_layer.pos[:, :1]).all()
+    assert any(not (layer.pos == layer.pos[:, :1]).all() for layer in per_head.cache.layers)
