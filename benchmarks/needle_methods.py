@@ -62,7 +62,12 @@ def main():
             found += hit
             s = out.stats
             fracs.append(s.get("prefill_fraction", 1.0))
-            kv_bytes.append(s.get("kv_bytes_full_layers", s["kv_cache_bytes"]))
+            if "kv_bytes_full_layers" in s:
+                kv_bytes.append(s["kv_bytes_full_layers"])
+            else:  # full cache: every prompt entry of every full-attention layer
+                c = model.config
+                per_entry = 2 * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+                kv_bytes.append(len(nd.prompt_ids) * per_entry * len(c.full_attention_layers))
             pivots[str(s.get("pivot_layer"))] += 1
             rec = {"method": name, "depth": nd.depth, "answer": nd.answer, "output": out.text, "found": hit,
                    "prefill_fraction": fracs[-1], "pivot": s.get("pivot_layer"), "seconds": secs[-1]}

@@ -124,6 +124,9 @@ def sliding_self_attention(q, k, v, positions: torch.Tensor, window: int, scale:
     """
     B, Hq, S, D = q.shape
     Hkv, W = k.shape[1], window
+    if S <= 2 * W:  # short: blocks would not save work, one masked call is cheaper
+        mask = visible(positions, positions, W)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     nb = (S + W - 1) // W
     pad = nb * W - S
     q = F.pad(q, (0, 0, 0, pad))  # (B, Hq, nb*W, D)
