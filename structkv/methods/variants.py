@@ -26,17 +26,24 @@ class StreamingLLM(Method):
 
 
 @dataclass
-class SnapKV(Method):
-    """Per-layer one-shot selection by pooled observation-window attention (full prefill)."""
+class WindowScored(Method):
+    """Shared fields of the methods that keep, per layer, the entries the observation window
+    attends to most (FastKV's harness defaults: w 8, max-pool kernel 7, per KV head)."""
 
     kv_budget: float | int = 0.1
     window: int = 8
     kernel: int = 7
     pooling: str | None = "max"
     per_head: bool = True
-    name = "snapkv"
     compresses_kv = True
     needs_scores = True
+
+
+@dataclass
+class SnapKV(WindowScored):
+    """Per-layer one-shot selection by pooled observation-window attention (full prefill)."""
+
+    name = "snapkv"
 
 
 @dataclass
@@ -90,23 +97,16 @@ class GemFilter(Method):
 
 
 @dataclass
-class FastKV(Method):
+class FastKV(WindowScored):
     """Token-selective propagation at a fixed layer plus per-layer KV selection."""
 
-    kv_budget: float | int = 0.1
     tsp_layer: float | int = 15 / 32
     tsp_rate: float | int = 0.2
-    window: int = 8
-    kernel: int = 7
-    pooling: str | None = "max"
-    per_head: bool = True
     name = "fastkv"
-    compresses_kv = True
-    needs_scores = True
 
 
 @dataclass
-class StructKV(Method):
+class StructKV(WindowScored):
     """Global centrality over depth, dynamic pivot, skeleton propagation, decoupled KV budgets.
 
     pivot: "dynamic" (online first peak of T inside depth_range), or a fixed layer (int) or depth
@@ -114,18 +114,11 @@ class StructKV(Method):
     """
 
     r_struct: float | int = 0.2
-    kv_budget: float | int = 0.1
     decay: float = 0.9
     pivot: str | float | int = "dynamic"
     depth_range: tuple[float, float] = (0.3, 0.6)
     weights: tuple[float, float, float] = (0.2, 0.3, 0.5)
-    window: int = 8
-    kernel: int = 7
-    pooling: str | None = "max"
-    per_head: bool = True
     name = "structkv"
-    compresses_kv = True
-    needs_scores = True
 
     def validate(self):
         super().validate()
