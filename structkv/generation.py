@@ -140,10 +140,9 @@ def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.
     if state is not None:
         if method is not None:
             raise ValueError("pass either method= (compress this prompt) or state= (reuse a compressed context)")
-        cache, logits, lengths, batched = _extend_state(model, state, prompt, max_new_tokens)
-        next_pos = cache.next_positions
-        cache = cache.cache
+        cache, logits, next_pos, lengths = _extend_state(model, state, prompt, max_new_tokens)
         B = logits.shape[0]
+        batched = B > 1
         stats.update({f"context_{k}": v for k, v in state.stats.items()})
     else:
         batched = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], int)
@@ -223,14 +222,11 @@ def _full_prefill(model, tokens, positions, max_new_tokens, backend, limit):
     return cache, logits
 
 
-@dataclass
-class _Extended:
-    cache: object
-    next_positions: torch.Tensor
-
-
 def _extend_state(model, state, question, max_new_tokens):
-    """Append `question` (same for every row) to a copy of the compressed context."""
+    """Append `question` (same for every row) to a copy of the compressed context.
+
+    Returns the extended cache, the question's last logits (B, V), the next positions (B, 1) and
+    the tokens per row so far."""
     if isinstance(question, str):
         if model.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass the question as token ids")
@@ -249,7 +245,7 @@ def _extend_state(model, state, question, max_new_tokens):
     positions = state.next_positions + torch.arange(len(ids), device=model.device)  # (B, S_q)
     logits = model.extend(tokens, positions, cache)
     lengths = [n + len(ids) for n in state.lengths]
-    return _Extended(cache, positions[:, -1:] + 1), logits, lengths, B > 1
+    return cache, logits, positions[:, -1:] + 1, lengths
 
 
 def _sync(device: torch.device) -> None:
