@@ -1,7 +1,7 @@
 """Compressed prefill: one loop over layers that scores, fills budgeted caches and propagates tokens.
 
 Per layer l (each layer block eager or compiled with a dynamic length; scoring, selection and the
-pivot decision run on the host between blocks, counted in `stats["host_syncs"]`):
+pivot decision run on the host between blocks; the pivot decisions are counted in `stats["host_syncs"]`):
 1. q, k, v of the current tokens (original positions), attention, MLP;
 2. at full-attention layers, when the method needs it, `window_scores` of the last w queries;
 3. the layer's cache: its own selection of `kv_budget` entries per KV head (`compact_kv`), all
