@@ -166,7 +166,7 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
         sal = ent = None
         centrality_open = tracker is not None and any(p is None for p in pivots)
         wants = method.compresses_kv or centrality_open or i in (tsp_layer, gem_layer)
-        if method.needs_scores and i in scored and wants and not isinstance(method, GemFilter):
+        if method.needs_scores and i in scored and wants:
             t = time.perf_counter()
             w = method.window
             sal, ent = window_scores(q[:, :, n - w:], k, pos[:, n - w:].contiguous(), pos, scale=cfg.scale)
@@ -184,6 +184,7 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
         timers["cache_fill_s"] += time.perf_counter() - t
         t = time.perf_counter()
 
+        stats_s = 0.0  # pivot statistics: counted as scoring, not selection
         keep_rows = None  # per-row token counts to keep after this layer (None: no propagation)
         if i == tsp_layer:
             score = _pooled(sal, method).sum(1)  # (B, n)
@@ -198,7 +199,8 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
                 n_vis = ((pos[:, None, :] >= 0) & (pos[:, None, :] <= pos[:, n - w:, None])).sum(-1)  # (B, w)
                 stats = PivotDetector.statistics(sal, ent, n_vis, valid, detector.topk_ratio)
                 fired = detector.observe(i, stats)
-                timers["scoring_s"] += time.perf_counter() - t_s
+                stats_s = time.perf_counter() - t_s
+                timers["scoring_s"] += stats_s
             else:
                 fired = [i == fixed_pivot] * B
             if any(fired):
@@ -209,7 +211,7 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
             idx = pruner.select(score, valid, keep_rows)  # (B, K)
             h, cols, pos = pruner.gather(idx, h, cols, positions=pos)
             rope = model.rope_tables(pos)
-        timers["selection_s"] += time.perf_counter() - t
+        timers["selection_s"] += time.perf_counter() - t - stats_s
 
         if i == gem_layer:  # GemFilter: pick tokens, renumber, restart the whole model on them
             t = time.perf_counter()

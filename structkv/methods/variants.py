@@ -92,8 +92,7 @@ class GemFilter(Method):
     filter_layer: float | int = 13 / 32
     kernel: int = 5
     window: int = 0  # the official code forces nothing in
-    name = "gemfilter"
-    needs_scores = True
+    name = "gemfilter"  # scores with its own raw last-query q.k, not window_scores
 
 
 @dataclass
