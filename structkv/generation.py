@@ -67,6 +67,11 @@ def _ids_from_prompt(model, prompt) -> list[int]:
     return ids
 
 
+def is_batch(prompt) -> bool:
+    """A list of prompts (texts or id lists), as opposed to one prompt given as a list of ids."""
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], int)
+
+
 def encode_batch(model, prompts) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Left-pad a batch: tokens (B, S), positions (B, S) with -1 on padding, and each row's length."""
     rows = [_ids_from_prompt(model, p) for p in prompts]
@@ -145,7 +150,7 @@ def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.
         batched = B > 1
         stats.update({f"context_{k}": v for k, v in state.stats.items()})
     else:
-        batched = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], int)
+        batched = is_batch(prompt)
         tokens, positions, lengths = encode_batch(model, prompt if batched else [prompt])
         B, S = tokens.shape
         if max(lengths) + max_new_tokens > limit:

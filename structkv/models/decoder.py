@@ -310,11 +310,10 @@ class Decoder(nn.Module):
     def prefill(self, context, method=None, *, room: int = 256):
         """Compress once, ask many: prefill `context` (text, ids or a batch) with `method` and
         return a reusable `CompressedState`; pass it to `structkv.generate(..., state=...)`."""
-        from ..generation import encode_batch
+        from ..generation import encode_batch, is_batch
         from ..prefill import compress
 
-        batched = isinstance(context, (list, tuple)) and len(context) > 0 and not isinstance(context[0], int)
-        tokens, positions, _ = encode_batch(self, context if batched else [context])
+        tokens, positions, _ = encode_batch(self, context if is_batch(context) else [context])
         return compress(self, tokens, positions, method, room=room)
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
