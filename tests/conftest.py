@@ -11,8 +11,6 @@ settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True
 settings.register_profile("dev", max_examples=50, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-SHARED_DATA = os.environ.get("STRUCTKV_DATA", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
-
 # Small enough to compile in seconds, big enough to exercise GQA, sliding windows and RoPE scaling.
 _COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)

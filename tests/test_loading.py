@@ -42,8 +42,6 @@ def test_reads_gemma3_v4_config():
 
 
 def test_sharded_checkpoint(tiny_dir, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     from conftest import make_hf_model
 
     make_hf_model("qwen3").save_pretrained(tmp_path, max_shard_size="20KB")
@@ -52,7 +50,6 @@ def test_sharded_checkpoint(tiny_dir, tmp_path):
     ref = structkv.load(tiny_dir("qwen3"))
     ids = torch.arange(3, 20)[None]
     assert torch.equal(model(ids), ref(ids))
-    del AutoModelForCausalLM
 
 
 def _copy(tiny_dir, tmp_path, arch="llama"):
