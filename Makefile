@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,demo,triton]"
+	$(PY) -m pip install -q -e ".[dev,demo,eval,triton]"
 	touch $@
 
 venv: $(VENV)/.installed

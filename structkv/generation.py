@@ -167,6 +167,7 @@ def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.
         else:
             cache, logits = _full_prefill(model, tokens, positions, max_new_tokens, backend, limit)
             next_pos = torch.tensor(lengths, device=model.device)[:, None]  # (B, 1)
+            stats["method"] = "full"
     _sync(model.device)
     t1 = time.perf_counter()
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None

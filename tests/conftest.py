@@ -70,3 +70,36 @@ def gemma():
 # The Triton interpreter tests need TRITON_INTERPRET=1 before Triton is imported: they run in
 # their own process (`make test`'s second step) and are not collected otherwise.
 collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["test_triton_interpret.py"]
+
+
+def byte_tokenizer_file(path):
+    """A byte-level tokenizer.json (one token per byte, ids 0..255, <bos>=256, <eos>=257): cheap and exact."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda c: c.encode("utf-8"))  # any fixed order works
+    vocab = {c: i for i, c in enumerate(byte_chars)}
+    vocab.update({"<bos>": 256, "<eos>": 257})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.add_special_tokens(["<bos>", "<eos>"])
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 256)])
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def byte_model_dir(tmp_path_factory):
+    """A tiny random Llama with 2K positions and a byte-level tokenizer: evaluation runs end to end in seconds."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**_COMMON, "vocab_size": 260, "max_position_embeddings": 2048},
+                                   bos_token_id=256, eos_token_id=257)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp("byte_llama")
+    model.save_pretrained(path)
+    byte_tokenizer_file(path / "tokenizer.json")
+    return path

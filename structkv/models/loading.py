@@ -214,10 +214,16 @@ def _download(repo_id: str) -> Path:
 def load(name_or_path: str | os.PathLike, *, dtype=None, device="cpu") -> Decoder:
     """Load a decoder with `.config` and `.tokenizer`.
 
-    `name_or_path`: a local HF folder, a `.gguf` file, the alias `gemma-3-270m`, or a Hub id such
-    as "meta-llama/Llama-3.1-8B". `dtype` None keeps the checkpoint's (float32 for GGUF).
+    `name_or_path`: a local HF folder, a `.gguf` file, the alias `gemma-3-270m`, a Hub id such
+    as "meta-llama/Llama-3.1-8B", or "random:<shape>" (random weights at a real model's shape,
+    see `structkv.models.shapes.SHAPES`). `dtype` None keeps the checkpoint's (float32 for GGUF).
     """
     name = str(name_or_path)
+    if name.startswith("random:"):  # real architecture, random weights (speed checks)
+        from .shapes import random_model
+
+        return random_model(name.removeprefix("random:"), dtype=_resolve_dtype(dtype, None) if dtype else torch.float32,
+                            device=_resolve_device(device))
     if name in ALIASES:
         return load_gguf(_gemma_270m_path(), dtype=dtype, device=device)
     path = Path(name).expanduser()

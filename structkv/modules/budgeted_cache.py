@@ -1,6 +1,6 @@
 """BudgetedKVCache: per-layer, per-KV-head caches of fixed capacity, filled from selected indices.
 
-Full-attention layers get `budget + room` slots (room: generated and question tokens), filled at
+Full-attention layers get `budget + room` slots (rounded up to a multiple of 64) (room: generated and question tokens), filled at
 prefill by `compact_kv` from each layer's own selection and appended to at decode at the layer's
 cursor. Sliding-window layers keep their exact window as a ring. All shapes are static, so the
 compiled decode step (`Decoder.decode_step`) compiles once, whatever the budgets.
@@ -13,6 +13,8 @@ from torch import nn
 from ..models.kv_cache import LayerKVCache
 from ..ops import compact_kv
 from .selection import pads_last
+
+CAPACITY_MULTIPLE = 64
 
 
 class BudgetedKVCache(nn.Module):
@@ -31,7 +33,10 @@ class BudgetedKVCache(nn.Module):
         for i, budget in enumerate(budgets):
             window = cfg.window(i)
             ring = window is not None and window < budget + room
-            layers.append(LayerKVCache(batch, cfg.num_kv_heads, budget + room, cfg.head_dim, dtype, device,
+            # Rounded up so prompts of similar length share one compiled decode graph; the extra
+            # slots stay empty (position -1) and are never attended to.
+            capacity = -(-(budget + room) // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+            layers.append(LayerKVCache(batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype, device,
                                        window=window if ring else None))
         self.layers = nn.ModuleList(layers)
         self.register_buffer("lengths", torch.zeros(cfg.num_layers, batch, cfg.num_kv_heads, dtype=torch.long,

@@ -1,0 +1,1 @@
+"""Offline evaluation: RULER, LongBench and needle grids, with one runner for every method."""

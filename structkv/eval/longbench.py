@@ -1,0 +1,75 @@
+"""LongBench v1 (English tasks) from local jsonl files, with the official prompts and lengths.
+
+A task file is `<dir>/<task>.jsonl` (official LongBench format: context, input, answers,
+all_classes, ...); `dir` is a LongBench folder holding `config/`, the full files and/or a
+`subset/` folder. Prompts use `config/dataset2prompt.json` and generation lengths
+`config/dataset2maxlen.json`; prompts longer than the budget are cut in the middle, as
+LongBench's pred.py does (first half + last half of the tokens). Prompts are plain text, as for
+base models: LongBench's chat templates are not applied.
+"""
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+from ..data import data_dir
+from .metrics import LONGBENCH_METRIC
+
+TASKS = list(LONGBENCH_METRIC)
+
+
+def longbench_dir(root=None) -> Path:
+    """`root` itself when it is a LongBench folder, else `<data dir>/longbench`."""
+    if root is not None and (Path(root) / "config" / "dataset2prompt.json").exists():
+        return Path(root)
+    path = data_dir(root) / "longbench"
+    if not (path / "config" / "dataset2prompt.json").exists():
+        raise FileNotFoundError(
+            f"LongBench config not found under {path}: expected config/dataset2prompt.json and dataset2maxlen.json "
+            "from github.com/THUDM/LongBench (LongBench/config/), next to the task jsonl files")
+    return path
+
+
+def task_file(task: str, root=None, subset: bool = True) -> Path:
+    """The jsonl for `task`: `subset/<task>.jsonl` when asked for and present, else `<task>.jsonl`."""
+    if task not in LONGBENCH_METRIC:
+        raise ValueError(f"unknown LongBench task {task!r}; English tasks: {', '.join(TASKS)}")
+    base = longbench_dir(root)
+    candidates = ([base / "subset" / f"{task}.jsonl"] if subset else []) + [base / f"{task}.jsonl"]
+    for path in candidates:
+        if path.exists():
+            return path
+    raise FileNotFoundError(f"no data for LongBench task {task!r}: looked for {', '.join(map(str, candidates))}. "
+                            "The official files are data.zip of THUDM/LongBench on the Hugging Face Hub")
+
+
+def load(task: str, tokenizer, max_length: int, *, root=None, subset: bool = True, samples: int | None = None) -> list[dict]:
+    """Records of `task` with the rendered, middle-truncated prompt (`input_ids`) and gold answers."""
+    if max_length < 64:
+        raise ValueError(f"max_length must be at least 64 tokens, got {max_length}")
+    base = longbench_dir(root)
+    templates = json.loads((base / "config" / "dataset2prompt.json").read_text())
+    max_new = json.loads((base / "config" / "dataset2maxlen.json").read_text())
+    path = task_file(task, root, subset)
+    records = []
+    with path.open() as f:
+        for index, line in enumerate(f):
+            if samples is not None and index >= samples:
+                break
+            row = json.loads(line)
+            prompt = templates[task].format(context=row["context"], input=row["input"])
+            ids = tokenizer.encode(prompt)
+            truncated = len(ids) > max_length
+            if truncated:  # keep the head (with BOS) and the tail, where the question is
+                half = max_length // 2
+                ids = ids[:half] + ids[len(ids) - (max_length - half):]
+            classes = row.get("all_classes") or []
+            if isinstance(classes, str):  # the MiniLongBench subset stores the list as its repr
+                classes = ast.literal_eval(classes)
+            records.append({"index": index, "task": task, "input_ids": ids, "outputs": list(row["answers"]),
+                            "all_classes": classes, "length": len(ids), "truncated": truncated,
+                            "max_new_tokens": int(max_new[task]), "metric": LONGBENCH_METRIC[task]})
+    if not records:
+        raise ValueError(f"{path} holds no records")
+    return records

