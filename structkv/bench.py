@@ -155,8 +155,9 @@ def measure(model, ids, method, cfg: BenchConfig) -> dict:
     kv_full_layers = s.get("kv_bytes_full_layers", full_kv_bytes(model, n, cfg_m.full_attention_layers))
     kv_prefill = s.get("kv_bytes", full_kv_bytes(model, n))
     budget_bytes = None
-    if getattr(method, "kv_budget", None) is not None:
-        budget_bytes = method.kv_budget * full_kv_bytes(model, n, cfg_m.full_attention_layers)
+    if getattr(method, "kv_budget", None) is not None:  # the budget in entries: floor(R_KV * n) per head and layer
+        kept = method.kv_budget if isinstance(method.kv_budget, int) else int(method.kv_budget * n)
+        budget_bytes = full_kv_bytes(model, min(kept, n), cfg_m.full_attention_layers)
     return {
         "method": s["method"], "tokens": n,
         "prefill_s": _summary([r["prefill_s"] for r in runs]),
@@ -205,8 +206,8 @@ def hf_twin(model):
         hf_cfg = cls(**common, rope_parameters=params)
     else:
         raise ValueError(f"no transformers twin for {c.model_type}; run with --no-hf")
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    with torch.device(model.device):  # random init, then replaced by our tensors (buffers stay computed)
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=model.dtype)
     ours = {k: v for k, v in model.state_dict().items() if not k.startswith("inv_freq")}
     if c.tie_word_embeddings:
         ours.pop("lm_head.weight", None)
@@ -219,18 +220,39 @@ def hf_twin(model):
     return hf.eval()
 
 
+def check_twin(model, hf) -> float:
+    """Max relative logit difference between our decoder and the transformers twin on 64 tokens."""
+    ids = torch.arange(64, device=model.device)[None] * 7 % model.config.vocab_size
+    with torch.inference_mode():
+        ours, theirs = model(ids).float(), hf(ids).logits.float()
+    rel = ((ours - theirs).abs().max() / ours.abs().max()).item()
+    tol = 1e-3 if model.dtype == torch.float32 else 5e-2
+    if not rel <= tol:
+        raise RuntimeError(f"the transformers twin disagrees with structkv (relative logit difference {rel:.2e}); "
+                           "its timings would not be comparable")
+    return rel
+
+
+def _cache_kw(hf) -> str:
+    """transformers renamed `past_key_values` to `cache` in 5.x; use whichever this version takes."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+
+
 def measure_hf(hf, ids, cfg: BenchConfig, device) -> dict:
     tokens = torch.tensor([ids], device=device)
+    kw = _cache_kw(hf)
 
     def once():
         t0 = time.perf_counter()
         out = hf(tokens, use_cache=True, logits_to_keep=1)
         _sync(device)
         t1 = time.perf_counter()
-        pkv, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        cache, tok = getattr(out, kw), out.logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(cfg.new_tokens - 1):
-            out = hf(tok, past_key_values=pkv, use_cache=True)
-            pkv, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            out = hf(tok, use_cache=True, **{kw: cache})
+            cache, tok = getattr(out, kw), out.logits[:, -1].argmax(-1, keepdim=True)
         _sync(device)
         return t1 - t0, (cfg.new_tokens - 1) / (time.perf_counter() - t1)
 
@@ -266,6 +288,7 @@ def run(cfg: BenchConfig, out: str | Path | None = None, model=None, progress=Tr
         if n + cfg.new_tokens > limit:
             raise ValueError(f"length {n} + {cfg.new_tokens} new tokens exceeds the model's {limit} positions")
     hf = hf_twin(model) if cfg.hf else None
+    twin_diff = check_twin(model, hf) if hf is not None else None
     rows = []
     for n in cfg.lengths:
         ids = prompt_ids(model, n, cfg.seed)
@@ -286,6 +309,7 @@ def run(cfg: BenchConfig, out: str | Path | None = None, model=None, progress=Tr
     result = {"config": asdict(cfg), "environment": environment(), "device": _device_name(model.device),
               "model": {"name": cfg.model, "type": model.config.model_type, "layers": model.config.num_layers,
                         "dtype": str(model.dtype)},
+              "transformers_twin_rel_logit_diff": twin_diff,
               "rows": rows, "ratios": ratios(rows), "scaling": scaling(rows)}
     if out is not None:
         out = Path(out)

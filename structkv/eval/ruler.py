@@ -223,7 +223,7 @@ def _niah_sample(task: Task, rng: random.Random, size: int, root) -> tuple[str, 
         else:  # distractor needles with random keys and values
             lines = [NIAH_NEEDLE.format(type_needle_v=task.opt("value"), key=_random(rng, task.opt("key")),
                                         value=_random(rng, task.opt("value"))) for _ in range(size)]
-        for at, needle in zip(sorted(rng.sample(range(size + 1), len(needles)), reverse=True), needles):
+        for at, needle in zip(sorted(rng.sample(range(size), len(needles)), reverse=True), needles):
             lines.insert(at, needle)
         context = "\n".join(lines)
     chosen = rng.sample(range(k), q)
@@ -362,7 +362,8 @@ def _build(name: str, index: int, size: int, seed: int, length: int, root, token
 def _min_size(name: str) -> int:
     """The smallest haystack size a task can be built with (words, lines, list entries or documents)."""
     task = TASKS[name]
-    return {"niah": 1, "vt": 1, "cwe": (task.opt("num_cw") or 0) + 1, "fwe": 10, "qa": 1}[task.kind]
+    needles = max(task.opt("k") or 1, task.opt("q") or 1) * (task.opt("v") or 1)
+    return {"niah": needles, "vt": 1, "cwe": (task.opt("num_cw") or 0) + 1, "fwe": 10, "qa": 1}[task.kind]
 
 
 def generate(task: str, tokenizer, length: int, samples: int, *, seed: int = 42, data_dir=None,
