@@ -65,3 +65,15 @@ def test_random_shape_models_and_bad_input():
 
     cfg = SHAPES["qwen2.5-0.5b"]
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_key_value_heads"]) == (896, 24, 2)
+
+
+def test_pareto_plot_from_an_eval_folder(byte_model_dir, tmp_path):
+    pytest.importorskip("wonderwords")
+    ev = tmp_path / "ev"
+    assert main(["eval", "ruler", "--model", str(byte_model_dir), "--out", str(ev), "--methods", "full,structkv",
+                 "--tasks", "niah_single_1", "--lengths", "1024", "--samples", "1", "--eager", "--quiet"]) == 0
+    out = tmp_path / "b"
+    assert main(["bench", "--model", str(byte_model_dir), "--methods", "full,structkv", "--lengths", "512",
+                 "--repeats", "1", "--warmup", "0", "--new-tokens", "3", "--no-hf", "--eager", "--eval", str(ev),
+                 "--out", str(out)]) == 0
+    assert (out / "pareto.png").stat().st_size > 1000

@@ -21,15 +21,24 @@ def plot_all(result: dict, records: list[dict], out: Path) -> list[str]:
     for length in sorted({r["length"] for r in rows}):
         at = [r for r in rows if r["length"] == length]
         # Accuracy vs KV budget: one line per method; the full cache as a horizontal reference.
+        # With a single budget a line plot says nothing: bars of the average per method instead.
         fig, ax = plt.subplots(figsize=(6, 4))
-        for method in sorted({r["method"] for r in at if r["kv_budget"] is not None}):
-            pts = sorted((r["kv_budget"], r["average"]) for r in at if r["method"] == method)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
-        for r in at:
-            if r["kv_budget"] is None:
-                ax.axhline(r["average"], color="black", linestyle="--", label=r["method"])
-        ax.set(xlabel="KV budget (fraction of the prompt)", ylabel="average score", title=f"{length} tokens")
-        ax.legend(fontsize=7)
+        budgets = sorted({r["kv_budget"] for r in at if r["kv_budget"] is not None})
+        if len(budgets) > 1:
+            markers = "os^vD<>pP*X"
+            for j, method in enumerate(sorted({r["method"] for r in at if r["kv_budget"] is not None})):
+                pts = sorted((r["kv_budget"], r["average"]) for r in at if r["method"] == method)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[j % len(markers)], label=method)
+            for r in at:
+                if r["kv_budget"] is None:
+                    ax.axhline(r["average"], color="black", linestyle="--", label=r["method"])
+            ax.set(xlabel="KV budget (fraction of the prompt)", ylabel="average score", title=f"{length} tokens")
+            ax.legend(fontsize=7)
+        else:
+            ordered = sorted(at, key=lambda r: (r["kv_budget"] is not None, -r["average"]))
+            ax.barh([r["label"] for r in ordered][::-1], [r["average"] for r in ordered][::-1],
+                    color=["black" if r["kv_budget"] is None else "tab:blue" for r in ordered][::-1])
+            ax.set(xlabel="average score", title=f"{length} tokens, R_KV {budgets[0]:g}" if budgets else f"{length} tokens")
         name = f"accuracy_vs_budget_{length}.png"
         fig.tight_layout()
         fig.savefig(out / name, dpi=120)

@@ -153,14 +153,50 @@ def _(q, k, v, positions, window, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+CAUSAL_BLOCK = 2048  # queries per block of full-attention prefill
+
+
+def causal_self_attention(q, k, v, positions: torch.Tensor, scale: float, block: int = CAUSAL_BLOCK) -> torch.Tensor:
+    """Self-attention of a full-attention layer in blocks of `block` queries over the keys up to the
+    block's end: the mask is (block, end), never (S, S), and keys past the block are not computed.
+
+    q (B, Hq, S, D), k, v (B, Hkv, S, D), positions (B, S) -> (B, Hq, S, D). Exact for any token
+    subset whose positions increase with the index (padding, -1, first): a key after a query's
+    block is in its future. Registered as an opaque op (`structkv::causal_attention`).
+    """
+    S = q.shape[2]
+    if S <= block:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible(positions, positions, None), scale=scale,
+                                              enable_gqa=True)
+    outs = []
+    for start in range(0, S, block):
+        end = min(S, start + block)
+        mask = visible(positions[:, start:end], positions[:, :end], None)  # (B, 1, block, end)
+        outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], attn_mask=mask,
+                                                   scale=scale, enable_gqa=True))
+    return torch.cat(outs, dim=2)
+
+
+@torch.library.custom_op("structkv::causal_attention", mutates_args=())
+def _causal_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
+               block: int) -> torch.Tensor:
+    return causal_self_attention(q, k, v, positions, scale, block).contiguous()
+
+
+@_causal_op.register_fake
+def _(q, k, v, positions, scale, block):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 def self_attention(attn: "Attention", q, k, v, positions: torch.Tensor) -> torch.Tensor:
-    """Attention of the tokens over themselves: (B, S, E). Sliding layers go blockwise, through an
-    opaque op (its block arithmetic on a dynamic length would otherwise add shape guards)."""
+    """Attention of the tokens over themselves: (B, S, E), blockwise through opaque ops (their
+    block arithmetic on a dynamic length would otherwise add shape guards to a compiled prefill)."""
     if attn.window is not None:
         out = _sliding_op(q, k, v, positions, attn.window, attn.scale)  # (B, Hq, S, D)
-        B, _, S, _ = out.shape
-        return attn.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # (B, S, E)
-    return attn.attend(q, k, v, visible(positions, positions, attn.window))
+    else:
+        out = _causal_op(q, k, v, positions, attn.scale, CAUSAL_BLOCK)  # (B, Hq, S, D)
+    B, _, S, _ = out.shape
+    return attn.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # (B, S, E)
 
 
 def run_block(block: "Block", h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
