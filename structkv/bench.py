@@ -4,8 +4,9 @@ Every figure comes from one process and one model: the full-cache structkv decod
 compression method, and (optionally) transformers' sdpa model holding the same weights, so the
 ratios compare like with like. Per (length, method): warm-up calls (not timed), then `repeats`
 timed calls of `generate`; medians and min/max are reported. Times on CUDA are taken after a
-synchronisation. Peak memory is the growth over the pre-call level: resident set size sampled
-every 2 ms on CPU, `torch.cuda.max_memory_allocated` on CUDA.
+synchronisation. Peak memory is the growth over the pre-call level (`peak_bytes`) and the absolute
+peak (`peak_total_bytes`, weights included): resident set size sampled every 2 ms on CPU,
+`torch.cuda.max_memory_allocated` on CUDA.
 """
 from __future__ import annotations
 
@@ -86,11 +87,12 @@ class PeakMemory:
     def __exit__(self, *exc):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
+            self.total = torch.cuda.max_memory_allocated(self.device)
         else:
             self.running = False
             self.thread.join()
-            self.peak = max(self.top, self._rss()) - self.base
+            self.total = max(self.top, self._rss())
+        self.peak = self.total - self.base
         return False
 
 
@@ -148,7 +150,7 @@ def measure(model, ids, method, cfg: BenchConfig) -> dict:
         s = out.stats
         overhead = s.get("scoring_s", 0.0) + s.get("selection_s", 0.0)
         runs.append({"prefill_s": s["prefill_s"], "decode_tokens_per_s": s["decode_tokens_per_s"],
-                     "peak_bytes": mem.peak, "overhead_s": overhead, "scoring_s": s.get("scoring_s", 0.0),
+                     "peak_bytes": mem.peak, "peak_total_bytes": mem.total, "overhead_s": overhead, "scoring_s": s.get("scoring_s", 0.0),
                      "selection_s": s.get("selection_s", 0.0), "stats": s})
     s = runs[-1]["stats"]
     n, cfg_m = len(ids), model.config
@@ -163,6 +165,7 @@ def measure(model, ids, method, cfg: BenchConfig) -> dict:
         "prefill_s": _summary([r["prefill_s"] for r in runs]),
         "decode_tokens_per_s": _summary([r["decode_tokens_per_s"] for r in runs]),
         "peak_bytes": _summary([r["peak_bytes"] for r in runs]),
+        "peak_total_bytes": max(r["peak_total_bytes"] for r in runs),  # process RSS / CUDA allocated, weights included
         "overhead_s": _summary([r["overhead_s"] for r in runs]),
         "overhead_share": statistics.median(r["overhead_s"] / r["prefill_s"] for r in runs),
         "scoring_s": statistics.median(r["scoring_s"] for r in runs),
@@ -373,7 +376,7 @@ def markdown(result: dict) -> str:
              f"R_KV {cfg['kv_budget']}, R_struct {cfg['struct_budget']}, pivot {cfg['pivot']}, {cfg['new_tokens']} new "
              f"tokens, median of {cfg['repeats']} after {cfg['warmup']} warm-up\n",
              "| tokens | method | prefill s (min-max) | speed-up vs full | vs HF | decode tok/s | decode vs full | "
-             "peak MiB | KV MiB (full-attn layers) | KV / budget | prefill frac | pivot | overhead % |",
+             "peak +MiB (total GiB) | KV MiB (full-attn layers) | KV / budget | prefill frac | pivot | overhead % |",
              "|" + "---|" * 13]
     rat = {(r["tokens"], r["method"]): r for r in result["ratios"]}
     for r in result["rows"]:
@@ -387,7 +390,7 @@ def markdown(result: dict) -> str:
             f"| {r['tokens']} | {r['method']} | {p['median']:.3f} ({p['min']:.3f}-{p['max']:.3f}) | "
             f"{fmt(q.get('prefill_speedup_vs_full'))} | {fmt(q.get('prefill_speedup_vs_transformers'))} | "
             f"{r['decode_tokens_per_s']['median']:.1f} | {fmt(q.get('decode_gain_vs_full'))} | "
-            f"{r['peak_bytes']['median'] / 2**20:.0f} | "
+            f"{r['peak_bytes']['median'] / 2**20:.0f} ({r.get('peak_total_bytes', 0) / 2**30:.1f}) | "
             f"{fmt(r.get('kv_bytes_full_layers', None) and r['kv_bytes_full_layers'] / 2**20, '{:.1f}')} | "
             f"{fmt(r.get('kv_vs_budget'), '{:.3f}')} | {r['prefill_fraction']:.3f} | {r.get('pivot_layer', '-')} | "
             f"{fmt(r.get('overhead_share') and 100 * r['overhead_share'], '{:.2f}')} |")
