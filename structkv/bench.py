@@ -55,6 +55,18 @@ class BenchConfig:
             raise ValueError("kv_budget and struct_budget are ratios in (0, 1]")
 
 
+def _release_freed_memory() -> None:
+    """Return the C heap's free pages to the OS (glibc), so RSS growth measures this call alone."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: growth may then be understated
+        pass
+
+
 class PeakMemory:
     """Peak memory growth (bytes) during a `with` block."""
 
@@ -72,6 +84,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
             return self
+        _release_freed_memory()  # else memory freed by earlier calls stays resident and hides the growth
         self.base = self._rss()
         self.top, self.running = self.base, True
 
@@ -390,7 +403,8 @@ def markdown(result: dict) -> str:
             f"| {r['tokens']} | {r['method']} | {p['median']:.3f} ({p['min']:.3f}-{p['max']:.3f}) | "
             f"{fmt(q.get('prefill_speedup_vs_full'))} | {fmt(q.get('prefill_speedup_vs_transformers'))} | "
             f"{r['decode_tokens_per_s']['median']:.1f} | {fmt(q.get('decode_gain_vs_full'))} | "
-            f"{r['peak_bytes']['median'] / 2**20:.0f} ({r.get('peak_total_bytes', 0) / 2**30:.1f}) | "
+            f"{r['peak_bytes']['median'] / 2**20:.0f} "
+            f"({fmt(r.get('peak_total_bytes') and r['peak_total_bytes'] / 2**30, '{:.1f}')}) | "
             f"{fmt(r.get('kv_bytes_full_layers', None) and r['kv_bytes_full_layers'] / 2**20, '{:.1f}')} | "
             f"{fmt(r.get('kv_vs_budget'), '{:.3f}')} | {r['prefill_fraction']:.3f} | {r.get('pivot_layer', '-')} | "
             f"{fmt(r.get('overhead_share') and 100 * r['overhead_share'], '{:.2f}')} |")

@@ -217,8 +217,9 @@ def test_sliding_window_attention_op(S, window):
     torch.library.opcheck(torch.ops.structkv.sliding_window_attention.default, (q, k, v, pos, window, 0.3))
 
 
+@pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("S,block", [(5, 4), (16, 4), (19, 5), (40, 64)])
-def test_causal_attention_op_blocks_equal_one_masked_call(S, block):
+def test_causal_attention_op_blocks_equal_one_masked_call(S, block, padded):
     """Query blocks over the keys up to each block's end equal one masked call, for left padding and
     for a token subset with gaps in its positions (what propagation feeds deeper layers)."""
     import torch.nn.functional as F
@@ -228,7 +229,8 @@ def test_causal_attention_op_blocks_equal_one_masked_call(S, block):
     g = torch.Generator().manual_seed(S)
     q, k, v = torch.randn(2, 4, S, 8, generator=g), torch.randn(2, 2, S, 8, generator=g), torch.randn(2, 2, S, 8, generator=g)
     pos = (torch.arange(S) * 3 + 1).expand(2, S).clone()  # gaps: a kept subset of a longer prompt
-    pos[1, : S // 3] = -1  # left padding in row 1
+    if padded:
+        pos[1, : S // 3] = -1  # left padding in row 1 (blocked masked path); else the causal path
     out = torch.ops.structkv.causal_attention(q, k, v, pos, 0.3, block)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=visible(pos, pos, None), scale=0.3, enable_gqa=True)
     valid = pos[:, None, :, None] >= 0  # padded queries see nothing: undefined either way

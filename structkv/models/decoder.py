@@ -157,14 +157,19 @@ CAUSAL_BLOCK = 2048  # queries per block of full-attention prefill
 
 
 def causal_self_attention(q, k, v, positions: torch.Tensor, scale: float, block: int = CAUSAL_BLOCK) -> torch.Tensor:
-    """Self-attention of a full-attention layer in blocks of `block` queries over the keys up to the
-    block's end: the mask is (block, end), never (S, S), and keys past the block are not computed.
+    """Self-attention of a full-attention layer without an (S, S) mask. Rows without padding whose
+    positions increase (a whole prompt, or a kept subset of one) take SDPA's causal path; otherwise
+    blocks of `block` queries attend over the keys up to the block's end with a (block, end) mask.
 
     q (B, Hq, S, D), k, v (B, Hkv, S, D), positions (B, S) -> (B, Hq, S, D). Exact for any token
     subset whose positions increase with the index (padding, -1, first): a key after a query's
     block is in its future. Registered as an opaque op (`structkv::causal_attention`).
     """
     S = q.shape[2]
+    if bool((positions[:, :1] >= 0).all()) and bool((positions[:, 1:] > positions[:, :-1]).all()):
+        # No padding and increasing positions: position order is index order, so the mask is the
+        # causal triangle and SDPA's causal kernels skip the future blocks without any mask.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     if S <= block:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible(positions, positions, None), scale=scale,
                                               enable_gqa=True)
