@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from . import methods as methods_registry
-from .generation import generate
+from .generation import _sync, generate
 
 
 @dataclass
@@ -110,16 +110,8 @@ class PeakMemory:
 
 
 def make_method(cfg: BenchConfig, name: str):
-    if name == "full":
-        return methods_registry.get("full")
-    options = {"kv_budget": cfg.kv_budget}
-    if name in ("structkv", "structkv_no_decay"):
-        options["r_struct"] = cfg.struct_budget
-        if cfg.pivot != "dynamic":
-            options["pivot"] = float(cfg.pivot)
-    elif name == "fastkv":
-        options["tsp_rate"] = cfg.struct_budget
-    return methods_registry.get(name, **options)
+    pivot = {"pivot": float(cfg.pivot)} if cfg.pivot != "dynamic" and name in ("structkv", "structkv_no_decay") else {}
+    return methods_registry.get(name, **methods_registry.budget_options(name, cfg.kv_budget, cfg.struct_budget), **pivot)
 
 
 def prompt_ids(model, length: int, seed: int) -> list[int]:
@@ -285,11 +277,6 @@ def measure_hf(hf, ids, cfg: BenchConfig, device) -> dict:
             "prefill_fraction": 1.0}
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # ------------------------------------------------------------------------------ run + report
 
 
@@ -419,10 +406,9 @@ def markdown(result: dict) -> str:
 
 def plot(results: list[dict], out: Path, eval_dir: str | None = None) -> list[str]:
     """Latency vs context length per method; with an eval folder, accuracy vs prefill time and KV bytes."""
-    import matplotlib
+    from .eval.plots import _pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     written = []
     fig, ax = plt.subplots(figsize=(6, 4))

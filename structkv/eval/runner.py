@@ -95,16 +95,8 @@ def method_runs(cfg: EvalConfig) -> list[tuple[str, str, float | None]]:
 
 
 def make_method(cfg: EvalConfig, name: str, kv_budget: float | None):
-    if name == "full":
-        return methods_registry.get("full")
-    options = {"kv_budget": kv_budget}
-    if name in ("structkv", "structkv_fixed_pivot", "structkv_no_decay"):
-        options["r_struct"] = cfg.struct_budget
-    elif name == "fastkv":
-        options["tsp_rate"] = cfg.struct_budget
-    if cfg.window is not None and name not in ("gemfilter",):
-        options["window"] = cfg.window
-    return methods_registry.get(name, **options)
+    window = {"window": cfg.window} if cfg.window is not None and name not in ("full", "gemfilter") else {}
+    return methods_registry.get(name, **methods_registry.budget_options(name, kv_budget, cfg.struct_budget), **window)
 
 
 # ------------------------------------------------------------------------------ samples
@@ -268,8 +260,7 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
                     raise RuntimeError(f"asked for method {name!r} but the run reported {s.get('method')!r}")
                 record = {
                     "key": key, "method": s["method"], "label": label, "kv_budget": budget,
-                    "struct_budget": cfg.struct_budget if name in ("structkv", "structkv_fixed_pivot",
-                                                                    "structkv_no_decay", "fastkv") else None,
+                    "struct_budget": cfg.struct_budget if name in methods_registry.STRUCT_BUDGET_OPTION else None,
                     "length_budget": sample["length_budget"], "task": sample["task"], "index": sample["index"],
                     "depth": sample.get("depth"), "prompt_tokens": len(sample["input_ids"]),
                     "prediction": result.text, "outputs": sample["outputs"], "score": score(sample, result.text),

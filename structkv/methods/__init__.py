@@ -5,8 +5,8 @@ Budgets are a ratio in (0, 1] of each row's prompt length or an absolute token c
 defaults (TSP / filter layer) are fractions of the model's depth so they carry across models.
 """
 from .base import Method
-from .registry import METHODS, get, names
+from .registry import METHODS, STRUCT_BUDGET_OPTION, budget_options, get, names
 from .variants import FastKV, Full, GemFilter, H2O, PyramidKV, SnapKV, StreamingLLM, StructKV
 
 __all__ = ["METHODS", "FastKV", "Full", "GemFilter", "H2O", "Method", "PyramidKV", "SnapKV", "StreamingLLM",
-           "StructKV", "get", "names"]
+           "StructKV", "STRUCT_BUDGET_OPTION", "budget_options", "get", "names"]

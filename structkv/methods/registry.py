@@ -57,3 +57,19 @@ def get(name: str, **options):
         raise ValueError(f"unknown option(s) {unknown} for method {name!r}; valid: {sorted(valid)}")
     return factory(**options)
 
+
+
+# The option that carries the propagation (structural) budget, for the methods that have one.
+STRUCT_BUDGET_OPTION = {"structkv": "r_struct", "structkv_fixed_pivot": "r_struct", "structkv_no_decay": "r_struct",
+                        "fastkv": "tsp_rate"}
+
+
+def budget_options(name: str, kv_budget=None, struct_budget=None) -> dict:
+    """`get` options for the budgets every harness speaks in: R_KV (none for `full`) and R_struct
+    (StructKV's r_struct, FastKV's tsp_rate; dropped for methods without one)."""
+    if name == "full":
+        return {}
+    options = {"kv_budget": kv_budget}
+    if name in STRUCT_BUDGET_OPTION and struct_budget is not None:
+        options[STRUCT_BUDGET_OPTION[name]] = struct_budget
+    return options

@@ -170,10 +170,7 @@ def causal_self_attention(q, k, v, positions: torch.Tensor, scale: float, block:
         # No padding and increasing positions: position order is index order, so the mask is the
         # causal triangle and SDPA's causal kernels skip the future blocks without any mask.
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    if S <= block:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible(positions, positions, None), scale=scale,
-                                              enable_gqa=True)
-    outs = []
+    outs = []  # one block when S <= block
     for start in range(0, S, block):
         end = min(S, start + block)
         mask = visible(positions[:, start:end], positions[:, :end], None)  # (B, 1, block, end)
