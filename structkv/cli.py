@@ -60,7 +60,8 @@ def _eval(args) -> int:
     cfg = EvalConfig(benchmark=args.benchmark, model=args.model, methods=args.methods, kv_budgets=args.kv_budget,
                      struct_budget=args.struct_budget, lengths=args.lengths, tasks=args.tasks, samples=args.samples,
                      depths=args.depths, seed=args.seed, max_new_tokens=args.max_new_tokens, window=args.window,
-                     longbench_full=args.longbench_full, data_dir=args.data, compile=not args.eager)
+                     longbench_full=args.longbench_full, data_dir=args.data, compile=not args.eager,
+                     shared=not args.separate)
     cfg.validate()  # bad names fail before the model loads
     result = run(cfg, args.out, progress=not args.quiet)
     from structkv.eval.runner import summary_markdown
@@ -145,6 +146,9 @@ def main(argv=None) -> int:
     e.add_argument("--threads", type=int, default=None)
     e.add_argument("--eager", action="store_true")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
+    e.add_argument("--separate", action="store_true",
+                   help="run every method alone (its own prefill and decode, so per-call decode speed); default: "
+                        "one prefill per group of methods that share it and one stacked decode per sample")
     e.set_defaults(fn=_eval)
     b = sub.add_parser("bench", help="prefill / decode speed, memory and overhead per method and length")
     b.add_argument("--model", type=_csv(str), default=["gemma-3-270m"],

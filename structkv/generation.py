@@ -1,7 +1,7 @@
 """Generation with a static, preallocated KV cache.
 
 The decode step is compiled once per cache shape with `fullgraph=True` (the cache capacity is
-rounded up to a multiple of `CAPACITY_MULTIPLE`, so calls with similar lengths share it); the
+rounded up to a multiple of `kv_cache.CAPACITY_MULTIPLE`, so calls with similar lengths share it); the
 prefill is compiled with a dynamic prompt length, so one compile serves every prompt length.
 `compile=False` runs eager. Prompts of a batch are left-padded: padding has position -1, so it
 is never a visible key and every row gets exactly what it would get alone.
@@ -13,9 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .models.kv_cache import StaticKVCache
-
-CAPACITY_MULTIPLE = 128
+from .models.kv_cache import StackedKVCache, StaticKVCache, round_capacity
 
 
 @dataclass
@@ -171,7 +169,28 @@ def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.
     _sync(model.device)
     t1 = time.perf_counter()
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
+    ids, steps = _decode_loop(model, logits, next_pos, cache, max_new_tokens, temperature, top_k, top_p,
+                              stop_at_eos, generator, decode)
+    _sync(model.device)
+    t2 = time.perf_counter()
+    texts = [model.tokenizer.decode(r) for r in ids] if model.tokenizer is not None else [None] * B
+    stats.update({
+        "prompt_tokens": lengths if batched else lengths[0],
+        "new_tokens": steps,
+        "prefill_s": t1 - t0,
+        "decode_s": t2 - t1,
+        "decode_tokens_per_s": (steps - 1) * B / (t2 - t1) if steps > 1 and t2 > t1 else float("nan"),
+        "kv_cache_bytes": sum(layer.nbytes() for layer in cache.layers),
+    })
+    if batched:
+        return GenerationResult(texts, ids, stats)
+    return GenerationResult(texts[0], ids[0], stats)
 
+
+def _decode_loop(model, logits, next_pos, cache, max_new_tokens, temperature, top_k, top_p, stop_at_eos,
+                 generator, decode) -> tuple[list[list[int]], int]:
+    """Sample, append, repeat: new token ids per row (cut at the first EOS) and the steps taken."""
+    B = logits.shape[0]
     eos = torch.tensor(model.config.eos_token_ids or (model.tokenizer.eos_ids if model.tokenizer else ()),
                        dtype=torch.long, device=model.device)
     done = torch.zeros(B, dtype=torch.bool, device=model.device)
@@ -186,35 +205,63 @@ def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.
         if step == max_new_tokens - 1:
             break
         logits = decode(model, tok[:, None], next_pos + step, cache)
-    _sync(model.device)
-    t2 = time.perf_counter()
-
-    new = torch.stack(out, 1).tolist()  # (B, steps)
     ids = []
-    for row in new:
+    for row in torch.stack(out, 1).tolist():  # (B, steps)
         if stop_at_eos and eos.numel():
             cut = next((j for j, t in enumerate(row) if t in eos.tolist()), None)
             row = row if cut is None else row[:cut]
         ids.append(row)
-    texts = [model.tokenizer.decode(r) for r in ids] if model.tokenizer is not None else [None] * B
-    steps = len(out)
-    stats.update({
-        "prompt_tokens": lengths if batched else lengths[0],
-        "new_tokens": steps,
-        "prefill_s": t1 - t0,
-        "decode_s": t2 - t1,
-        "decode_tokens_per_s": (steps - 1) * B / (t2 - t1) if steps > 1 and t2 > t1 else float("nan"),
-        "kv_cache_bytes": sum(layer.nbytes() for layer in cache.layers),
-    })
-    if batched:
-        return GenerationResult(texts, ids, stats)
-    return GenerationResult(texts[0], ids[0], stats)
+    return ids, len(out)
+
+
+@torch.inference_mode()
+def generate_states(model, states, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
+                    top_p: float | None = None, stop_at_eos: bool = True, compile=True,
+                    seed: int | None = None) -> list[GenerationResult]:
+    """Continue several compressed prompts (`CompressedState`s, e.g. every method's state from
+    `structkv.prefill.compress_shared`) in one batched decode: their caches are stacked row-wise
+    (`StackedKVCache`), so each step reads the weights once for all of them. Each result equals
+    `generate(model, ..., method=state.method)` alone; the states are not modified.
+
+    Per-state stats: the state's prefill stats plus the new tokens; the decode time is shared
+    (`decode_s`, `decode_rows`), so `decode_tokens_per_s` is not per method and is left NaN.
+    """
+    _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if not states:
+        raise ValueError("generate_states needs at least one state")
+    limit = model.config.max_position_embeddings
+    cache = StackedKVCache([s.cache for s in states])
+    if cache.free() < max_new_tokens:
+        raise ValueError(f"{max_new_tokens} new tokens exceed the {cache.free()} free cache slots of these states; "
+                         "compress with room >= max_new_tokens")
+    next_pos = torch.cat([s.next_positions for s in states])  # (R, 1)
+    if int(next_pos.max()) + max_new_tokens > limit:
+        raise ValueError(f"prompt + {max_new_tokens} new tokens exceed the model's {limit} positions")
+    logits = torch.cat([s.logits for s in states])  # (R, V)
+    backend = "inductor" if compile is True else compile
+    decode = compiled("decode", backend) if backend else _decode
+    generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
+    t1 = time.perf_counter()
+    ids, steps = _decode_loop(model, logits, next_pos, cache, max_new_tokens, temperature, top_k, top_p,
+                              stop_at_eos, generator, decode)
+    _sync(model.device)
+    decode_s = time.perf_counter() - t1
+    results, row = [], 0
+    for state, b in zip(states, cache.rows):
+        rows = ids[row:row + b]
+        row += b
+        texts = [model.tokenizer.decode(r) for r in rows] if model.tokenizer is not None else [None] * b
+        stats = {**state.stats, "new_tokens": steps, "decode_s": decode_s, "decode_rows": len(ids),
+                 "decode_tokens_per_s": float("nan"),
+                 "kv_cache_bytes": sum(layer.nbytes() for layer in state.cache.layers)}
+        results.append(GenerationResult(texts[0] if b == 1 else texts, rows[0] if b == 1 else rows, stats))
+    return results
 
 
 def _full_prefill(model, tokens, positions, max_new_tokens, backend, limit):
     """Uncompressed prefill into a static cache (compiled with a dynamic prompt length)."""
     B, S = tokens.shape
-    capacity = -(-(S + max_new_tokens) // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+    capacity = round_capacity(S + max_new_tokens)
     cache = StaticKVCache(model.config, B, capacity, model.dtype, model.device)
     if S == 1:  # a one-token prompt is a decode step (keeps the prefill graph dynamic, min length 2)
         decode = compiled("decode", backend) if backend else _decode

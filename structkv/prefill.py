@@ -105,6 +105,16 @@ def compiled_block(backend="inductor"):
     return _COMPILED_BLOCKS[backend]
 
 
+@dataclass
+class _Target:
+    """One method's share of a (possibly shared) prefill: its per-layer budgets, cache and own time."""
+
+    method: Method
+    layer_keep: dict[int, list[int]]
+    cache: BudgetedKVCache
+    own: dict = field(default_factory=lambda: {"scoring_s": 0.0, "selection_s": 0.0, "cache_fill_s": 0.0})
+
+
 @torch.inference_mode()
 def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Method | None = None,
              room: int = 256, compile=False) -> CompressedState:
@@ -115,7 +125,25 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
 
     `room`: cache slots left after the kept entries for tokens appended later (generation, questions).
     """
-    method = method or Full()
+    return compress_shared(model, tokens, positions, [method or Full()], room, compile)[0]
+
+
+@torch.inference_mode()
+def compress_shared(model, tokens: torch.Tensor, positions: torch.Tensor, methods: list[Method],
+                    room: int = 256, compile=False) -> list[CompressedState]:
+    """One prefill pass for several methods that compute the same hidden states (equal
+    `prefill_key`: full, StreamingLLM, SnapKV, PyramidKV and H2O at any budgets; FastKV or StructKV
+    at several KV budgets). Each fills its own cache from its own selection, so each state equals
+    `compress(method)` alone. Timings: a state's `prefill_s` is the pass minus the other methods'
+    own work (their selection, cache fill and method-specific scoring).
+    """
+    methods = [m or Full() for m in methods]
+    if not methods:
+        raise ValueError("compress_shared needs at least one method")
+    if len({m.prefill_key() for m in methods}) != 1:
+        raise ValueError(f"methods {[m.name for m in methods]} do not share a prefill (different prefill_key); "
+                         "compress them separately")
+    lead = methods[0]  # its propagation (FastKV, StructKV, GemFilter) is every method's
     cfg = model.config
     B, S = tokens.shape
     L, scored = cfg.num_layers, cfg.full_attention_layers
@@ -125,34 +153,36 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
     lengths = valid.sum(1)
     block_fn = run_block if not compile else compiled_block("inductor" if compile is True else compile)
     t0 = clock()
-    timers = {"scoring_s": 0.0, "selection_s": 0.0, "cache_fill_s": 0.0}
+    timers = {"scoring_s": 0.0, "selection_s": 0.0, "cache_fill_s": 0.0}  # shared work
 
     # ---------------------------------------------------------------- plan (host, once)
-    kv_keep = method.kv_keep(lengths) if method.compresses_kv else None
-    layer_keep = {i: method.layer_keep(i, cfg, lengths, kv_keep) for i in scored} if kv_keep else {}
-    budgets = [max(layer_keep[i]) if i in layer_keep else S for i in range(L)]
-    tsp_layer = resolve_layer(method.tsp_layer, cfg, scored, "tsp_layer") if isinstance(method, FastKV) else None
-    gem_layer = resolve_layer(method.filter_layer, cfg, scored, "filter_layer") if isinstance(method, GemFilter) else None
+    targets = []
+    for m in methods:
+        kv_keep = m.kv_keep(lengths) if m.compresses_kv else None
+        layer_keep = {i: m.layer_keep(i, cfg, lengths, kv_keep) for i in scored} if kv_keep else {}
+        budgets = [max(layer_keep[i]) if i in layer_keep else S for i in range(L)]
+        targets.append(_Target(m, layer_keep, BudgetedKVCache(cfg, B, budgets, room, model.dtype, model.device)))
+    tsp_layer = resolve_layer(lead.tsp_layer, cfg, scored, "tsp_layer") if isinstance(lead, FastKV) else None
+    gem_layer = resolve_layer(lead.filter_layer, cfg, scored, "filter_layer") if isinstance(lead, GemFilter) else None
     tracker = detector = fixed_pivot = None
     struct_keep = tsp_keep = gem_keep = None
-    if isinstance(method, StructKV):
-        struct_keep = budget_tokens(method.r_struct, lengths, "structkv r_struct")
-        method._check_window(struct_keep, lengths, "r_struct")
-        tracker = CentralityTracker(method.decay)
+    if isinstance(lead, StructKV):
+        struct_keep = budget_tokens(lead.r_struct, lengths, "structkv r_struct")
+        lead._check_window(struct_keep, lengths, "r_struct")
+        tracker = CentralityTracker(lead.decay)
         tracker.reset(B, S, device=tokens.device)
-        if method.pivot == "dynamic":
-            ratio = method.r_struct if isinstance(method.r_struct, float) else method.r_struct / max(lengths.tolist())
-            detector = PivotDetector(L, scored, method.depth_range, method.weights, topk_ratio=ratio)
+        if lead.pivot == "dynamic":
+            ratio = lead.r_struct if isinstance(lead.r_struct, float) else lead.r_struct / max(lengths.tolist())
+            detector = PivotDetector(L, scored, lead.depth_range, lead.weights, topk_ratio=ratio)
             detector.reset(B)
         else:
-            fixed_pivot = resolve_layer(method.pivot, cfg, scored, "pivot")
-    if isinstance(method, FastKV):
-        tsp_keep = budget_tokens(method.tsp_rate, lengths, "fastkv tsp_rate")
-        method._check_window(tsp_keep, lengths, "tsp_rate")
-    if isinstance(method, GemFilter):
-        gem_keep = budget_tokens(method.kv_budget, lengths, "gemfilter kv_budget")
-    cache = BudgetedKVCache(cfg, B, budgets, room, model.dtype, model.device)
-    pruner = SkeletonPruner(getattr(method, "window", 0))
+            fixed_pivot = resolve_layer(lead.pivot, cfg, scored, "pivot")
+    if isinstance(lead, FastKV):
+        tsp_keep = budget_tokens(lead.tsp_rate, lengths, "fastkv tsp_rate")
+        lead._check_window(tsp_keep, lengths, "tsp_rate")
+    if isinstance(lead, GemFilter):
+        gem_keep = budget_tokens(lead.kv_budget, lengths, "gemfilter kv_budget")
+    pruner = SkeletonPruner(getattr(lead, "window", 0))
 
     # ---------------------------------------------------------------- the layer loop
     h = model.embed(tokens)
@@ -171,36 +201,42 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
         h, q, k, v = block_fn(model.model.layers[i], h, pos, cos, sin)
         n = h.shape[1]
 
-        sal = ent = None
+        # observation-window saliency, once per window size that someone at this layer needs
         centrality_open = tracker is not None and any(p is None for p in pivots)
-        wants = method.compresses_kv or centrality_open or i in (tsp_layer, gem_layer)
-        if method.needs_scores and i in scored and wants:
+        windows = {t.method.window for t in targets if t.method.needs_scores and i in t.layer_keep}
+        if lead.needs_scores and i in scored and (centrality_open or i == tsp_layer):
+            windows.add(lead.window)
+        window_sal = {}
+        for w in sorted(windows):
             t = clock()
-            w = method.window
-            sal, ent = window_scores(q[:, :, n - w:], k, pos[:, n - w:].contiguous(), pos, scale=cfg.scale)
+            window_sal[w] = window_scores(q[:, :, n - w:], k, pos[:, n - w:].contiguous(), pos, scale=cfg.scale)
             timers["scoring_s"] += clock() - t
 
-        t = clock()
-        idx = None
-        if i in layer_keep:
-            scores = _kv_scores(method, sal, q, k, pos, valid, cfg)
-            idx = select_tokens(scores, valid, layer_keep[i], method.window)
-            idx = idx.expand(B, k.shape[1], -1) if idx.shape[1] == 1 else idx
-        timers["selection_s"] += clock() - t
-        t = clock()
-        cache.fill(i, k, v, pos, idx)
-        timers["cache_fill_s"] += clock() - t
+        for target in targets:  # each method's own cache
+            m, own = target.method, target.own
+            t = clock()
+            idx = None
+            if i in target.layer_keep:
+                sal = window_sal.get(m.window, (None, None))[0]
+                scores = _kv_scores(m, sal, q, k, pos, valid, cfg)
+                idx = select_tokens(scores, valid, target.layer_keep[i], m.window)
+                idx = idx.expand(B, k.shape[1], -1) if idx.shape[1] == 1 else idx
+            own["selection_s"] += clock() - t
+            t = clock()
+            target.cache.fill(i, k, v, pos, idx)
+            own["cache_fill_s"] += clock() - t
         t = clock()
 
+        sal, ent = window_sal.get(getattr(lead, "window", None), (None, None))
         stats_s = 0.0  # pivot statistics: counted as scoring, not selection
         keep_rows = None  # per-row token counts to keep after this layer (None: no propagation)
         if i == tsp_layer:
-            score = _pooled(sal, method).sum(1)  # (B, n)
+            score = _pooled(sal, lead).sum(1)  # (B, n)
             keep_rows = tsp_keep
             pivots = [i] * B
         if tracker is not None and centrality_open and i in scored:
-            w = method.window
-            s = _pooled(sal, method).sum(1) / w  # (B, n), S^(l); the window is forced in, never ranked
+            w = lead.window
+            s = _pooled(sal, lead).sum(1) / w  # (B, n), S^(l); the window is forced in, never ranked
             tracker.update(s, cols, layer=i)
             if detector is not None:
                 t_s = clock()
@@ -223,29 +259,39 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
 
         if i == gem_layer:  # GemFilter: pick tokens, renumber, restart the whole model on them
             t = clock()
-            score = _gemfilter_scores(q, k, valid, method.kernel)
+            score = _gemfilter_scores(q, k, valid, lead.kernel)
             idx = SkeletonPruner(0, positions="compact").select(score, valid, gem_keep)
             new_cols = gather_tokens(cols, idx)
             new_tokens = torch.where(idx >= 0, tokens.gather(1, new_cols), torch.zeros_like(new_cols))
             new_pos = torch.where(idx >= 0, (idx >= 0).long().cumsum(1) - 1, torch.full_like(idx, -1))
             timers["selection_s"] += clock() - t
             rerun = compress(model, new_tokens, new_pos, Full(), room, compile=compile)
-            stats = _stats(model, method, lengths, processed + rerun.stats["tokens_per_layer"], rerun.cache,
-                           [gem_layer] * B, None, timers, t0, syncs=1)
-            return CompressedState(rerun.cache, rerun.logits, rerun.next_positions, lengths.tolist(), method, stats,
-                                   torch.where(idx >= 0, new_cols, torch.full_like(idx, -1)))
+            stats = _stats(model, lead, lengths, processed + rerun.stats["tokens_per_layer"], rerun.cache,
+                           [gem_layer] * B, None, timers, clock() - t0, syncs=1)
+            return [CompressedState(rerun.cache, rerun.logits, rerun.next_positions, lengths.tolist(), lead, stats,
+                                    torch.where(idx >= 0, new_cols, torch.full_like(idx, -1)))]
 
     logits = model.logits(h[:, -1])
     next_positions = pos.max(dim=1, keepdim=True).values + 1  # (B, 1)
     syncs = (detector.host_syncs if detector else 0) + (1 if tsp_layer is not None or fixed_pivot is not None else 0)
-    stats = _stats(model, method, lengths, processed, cache, pivots, detector, timers, t0, syncs)
-    if tracker is not None:
-        stats["centrality_layers"] = tracker.layers
     kept = torch.where(pos >= 0, cols, torch.full_like(cols, -1))
-    return CompressedState(cache, logits, next_positions, lengths.tolist(), method, stats, kept)
+    elapsed = clock() - t0
+    own_total = [sum(t.own.values()) for t in targets]
+    states = []
+    for j, target in enumerate(targets):
+        mine = {k: timers[k] + target.own[k] for k in timers}
+        alone = elapsed - (sum(own_total) - own_total[j])  # the pass without the other methods' own work
+        stats = _stats(model, target.method, lengths, processed, target.cache, pivots, detector, mine, alone, syncs)
+        if len(targets) > 1:
+            stats["shared_prefill"] = {"methods": len(targets), "pass_s": elapsed}
+        if tracker is not None:
+            stats["centrality_layers"] = tracker.layers
+        states.append(CompressedState(target.cache, logits, next_positions, lengths.tolist(), target.method, stats,
+                                      kept))
+    return states
 
 
-def _stats(model, method, lengths, processed, cache, pivots, detector, timers, t0, syncs) -> dict:
+def _stats(model, method, lengths, processed, cache, pivots, detector, timers, prefill_s, syncs) -> dict:
     cfg = model.config
     total = cfg.num_layers * int(lengths.sum())
     entries, nbytes = cache.entries(), cache.nbytes()
@@ -259,7 +305,7 @@ def _stats(model, method, lengths, processed, cache, pivots, detector, timers, t
         "kv_bytes_per_layer": nbytes,
         "kv_bytes": sum(nbytes),
         "kv_bytes_full_layers": sum(nbytes[i] for i in cfg.full_attention_layers),
-        "prefill_s": clock() - t0,
+        "prefill_s": prefill_s,
         "host_syncs": syncs,
         **timers,
     }

@@ -53,21 +53,32 @@ def test_ruler_run_writes_every_file_and_resumes(byte_model_dir, tmp_path, capsy
     lines = (out / "predictions.jsonl").read_text().splitlines()
     (out / "predictions.jsonl").write_text("\n".join(lines[:-1]) + "\n")
     calls = []
-    import structkv.generation as generation
+    real = runner._run_shared
 
-    real = generation.generate
+    def counting(model, ids, methods, *a, **k):
+        calls.extend(m.name for m in methods)
+        return real(model, ids, methods, *a, **k)
 
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    generation.generate = counting
+    runner._run_shared = counting
     try:
         assert main(["eval", "ruler", "--model", str(byte_model_dir), "--out", str(out), *ARGS]) == 0
     finally:
-        generation.generate = real
-    assert len(calls) == 1
+        runner._run_shared = real
+    assert calls == [preds[-1]["method"]]
     assert len(_lines(out / "predictions.jsonl")) == len(preds)
+
+    # Every method alone (--separate) predicts exactly what the shared prefill + stacked decode did.
+    alone = tmp_path / "alone"
+    assert main(["eval", "ruler", "--model", str(byte_model_dir), "--out", str(alone), *ARGS, "--separate"]) == 0
+    shared = {p["key"]: p for p in preds}
+    separate = {p["key"]: p for p in _lines(alone / "predictions.jsonl")}
+    assert separate.keys() == shared.keys()
+    for key, p in separate.items():
+        assert (p["prediction"], p["score"], p["kv_cache_bytes"], p["prefill_fraction"]) == (
+            shared[key]["prediction"], shared[key]["score"], shared[key]["kv_cache_bytes"],
+            shared[key]["prefill_fraction"]), key
+        assert shared[key]["shared"] and "shared" not in p
+        assert shared[key]["decode_tokens_per_s"] is None and p["decode_tokens_per_s"] > 0
 
 
 def test_a_method_cannot_report_under_another_name(byte_model_dir, tmp_path, monkeypatch):

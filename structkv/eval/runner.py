@@ -43,6 +43,10 @@ class EvalConfig:
     longbench_full: bool = False  # LongBench: the full task files instead of subset/
     data_dir: str | None = None
     compile: bool = True
+    # One prefill per group of methods that compute the same hidden states, and one stacked decode
+    # of every method's state per sample (same predictions, ~4x less work). False: every method
+    # runs alone, so each record's prefill and decode times are its own call's.
+    shared: bool = True
 
     def validate(self, model_config=None) -> None:
         if self.benchmark not in BENCHMARKS:
@@ -243,36 +247,54 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
     runs = method_runs(cfg)
     bar = Progress(len(runs) * len(samples), progress)
     with (out / "predictions.jsonl").open("a") as sink:
-        for label, name, budget in runs:
-            method = make_method(cfg, name, budget)
+        def file(label, name, budget, sample, result, graphs, **extra):
+            s = result.stats
+            if s.get("method") != name:
+                raise RuntimeError(f"asked for method {name!r} but the run reported {s.get('method')!r}")
+            record = {
+                "key": sample_key(label, sample), "method": s["method"], "label": label, "kv_budget": budget,
+                "struct_budget": cfg.struct_budget if name in methods_registry.STRUCT_BUDGET_OPTION else None,
+                "length_budget": sample["length_budget"], "task": sample["task"], "index": sample["index"],
+                "depth": sample.get("depth"), "prompt_tokens": len(sample["input_ids"]),
+                "prediction": result.text, "outputs": sample["outputs"], "score": score(sample, result.text),
+                "prefill_s": s["prefill_s"], "decode_tokens_per_s": s["decode_tokens_per_s"],
+                "new_tokens": s["new_tokens"], "kv_cache_bytes": s["kv_cache_bytes"],
+                "prefill_fraction": s.get("prefill_fraction", 1.0), "pivot_layer": s.get("pivot_layer"),
+                "compiled": _graphs_compiled() != graphs,  # this call's times include compilation
+                **extra,
+            }
+            sink.write(json.dumps(record) + "\n")
+            sink.flush()
+            done[record["key"]] = record
+            bar.step(f"{label} {sample['task']} n={sample['length_budget']} #{sample['index']}")
+
+        if cfg.shared:
             for sample in samples:
-                key = sample_key(label, sample)
-                what = f"{label} {sample['task']} n={sample['length_budget']} #{sample['index']}"
-                if key in done:
-                    bar.step(what, skipped=True)
+                todo = []
+                for label, name, budget in runs:
+                    if sample_key(label, sample) in done:
+                        bar.step(f"{label} {sample['task']} #{sample['index']}", skipped=True)
+                    else:
+                        todo.append((label, name, budget, make_method(cfg, name, budget)))
+                if not todo:
                     continue
-                cap = sample["max_new_tokens"] if cfg.max_new_tokens is None else min(cfg.max_new_tokens,
-                                                                                     sample["max_new_tokens"])
                 graphs = _graphs_compiled()
-                result = generate(model, sample["input_ids"], max_new_tokens=cap, method=method, compile=cfg.compile)
-                s = result.stats
-                if s.get("method") != name:
-                    raise RuntimeError(f"asked for method {name!r} but the run reported {s.get('method')!r}")
-                record = {
-                    "key": key, "method": s["method"], "label": label, "kv_budget": budget,
-                    "struct_budget": cfg.struct_budget if name in methods_registry.STRUCT_BUDGET_OPTION else None,
-                    "length_budget": sample["length_budget"], "task": sample["task"], "index": sample["index"],
-                    "depth": sample.get("depth"), "prompt_tokens": len(sample["input_ids"]),
-                    "prediction": result.text, "outputs": sample["outputs"], "score": score(sample, result.text),
-                    "prefill_s": s["prefill_s"], "decode_tokens_per_s": s["decode_tokens_per_s"],
-                    "new_tokens": s["new_tokens"], "kv_cache_bytes": s["kv_cache_bytes"],
-                    "prefill_fraction": s.get("prefill_fraction", 1.0), "pivot_layer": s.get("pivot_layer"),
-                    "compiled": _graphs_compiled() != graphs,  # this call's times include compilation
-                }
-                sink.write(json.dumps(record) + "\n")
-                sink.flush()
-                done[key] = record
-                bar.step(what)
+                results = _run_shared(model, sample["input_ids"], [t[3] for t in todo], _cap(cfg, sample), cfg.compile)
+                for (label, name, budget, _), result in zip(todo, results):
+                    s = result.stats
+                    file(label, name, budget, sample, result, graphs, decode_tokens_per_s=None, shared=True,
+                         decode_rows=s["decode_rows"], decode_s=s["decode_s"])
+        else:
+            for label, name, budget in runs:
+                method = make_method(cfg, name, budget)
+                for sample in samples:
+                    if sample_key(label, sample) in done:
+                        bar.step(f"{label} {sample['task']} #{sample['index']}", skipped=True)
+                        continue
+                    graphs = _graphs_compiled()
+                    result = generate(model, sample["input_ids"], max_new_tokens=_cap(cfg, sample), method=method,
+                                      compile=cfg.compile)
+                    file(label, name, budget, sample, result, graphs)
     bar.close()
     wanted = {sample_key(label, s) for label, _, _ in runs for s in samples}
     records = [r for k, r in done.items() if k in wanted]
@@ -285,6 +307,29 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
     except ImportError as e:  # matplotlib is in the eval/demo extras
         print(f"structkv: plots skipped ({e}); pip install matplotlib", file=sys.stderr)
     return result
+
+
+def _cap(cfg: EvalConfig, sample: dict) -> int:
+    """New tokens for a sample: the task's own generation length, capped by --max-new-tokens."""
+    return sample["max_new_tokens"] if cfg.max_new_tokens is None else min(cfg.max_new_tokens, sample["max_new_tokens"])
+
+
+def _run_shared(model, input_ids: list[int], methods: list, max_new_tokens: int, compile) -> list:
+    """Every method on one prompt: one prefill per group of methods sharing a prefill key, then one
+    stacked decode of all their states. Results in the order of `methods`."""
+    from ..generation import encode_batch, generate_states
+    from ..prefill import compress_shared
+
+    tokens, positions, _ = encode_batch(model, [input_ids])
+    groups: dict[tuple, list[int]] = {}
+    for j, method in enumerate(methods):
+        groups.setdefault(method.prefill_key(), []).append(j)
+    states = [None] * len(methods)
+    for members in groups.values():
+        for j, state in zip(members, compress_shared(model, tokens, positions, [methods[j] for j in members],
+                                                     room=max_new_tokens, compile=compile)):
+            states[j] = state
+    return generate_states(model, states, max_new_tokens=max_new_tokens, compile=compile)
 
 
 def _graphs_compiled() -> int:

@@ -89,5 +89,11 @@ class Method:
         """Per-layer budget (PyramidKV overrides)."""
         return base
 
+    def prefill_key(self) -> tuple:
+        """Methods with equal keys compute the same hidden states during prefill (they differ only
+        in what each layer's cache keeps), so one prefill pass can serve them all
+        (`structkv.prefill.compress_shared`). Methods that keep every token to the last layer share ("all",)."""
+        return ("all",)
+
     def describe(self) -> dict:
         return {"method": self.name, **dataclasses.asdict(self)}

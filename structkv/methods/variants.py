@@ -94,6 +94,9 @@ class GemFilter(Method):
     window: int = 0  # the official code forces nothing in
     name = "gemfilter"  # scores with its own raw last-query q.k, not window_scores
 
+    def prefill_key(self):
+        return ("gemfilter", id(self))  # its re-run depends on kv_budget: never shared
+
 
 @dataclass
 class FastKV(WindowScored):
@@ -102,6 +105,9 @@ class FastKV(WindowScored):
     tsp_layer: float | int = 15 / 32
     tsp_rate: float | int = 0.2
     name = "fastkv"
+
+    def prefill_key(self):
+        return ("fastkv", self.tsp_layer, self.tsp_rate, self.window, self.kernel, self.pooling)
 
 
 @dataclass
@@ -118,6 +124,10 @@ class StructKV(WindowScored):
     depth_range: tuple[float, float] = (0.3, 0.6)
     weights: tuple[float, float, float] = (0.2, 0.3, 0.5)
     name = "structkv"
+
+    def prefill_key(self):
+        return ("structkv", self.r_struct, self.decay, self.pivot, tuple(self.depth_range), tuple(self.weights),
+                self.window, self.kernel, self.pooling)
 
     def validate(self):
         super().validate()

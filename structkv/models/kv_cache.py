@@ -10,6 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# Cache capacities are rounded up to a multiple of this, so prompts of similar length share one
+# compiled decode graph (the extra slots stay empty, position -1, never attended to).
+CAPACITY_MULTIPLE = 64
+
+
+def round_capacity(slots: int) -> int:
+    return -(-slots // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+
 
 class LayerKVCache(nn.Module):
     def __init__(self, batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype, device,
@@ -63,21 +71,25 @@ class LayerKVCache(nn.Module):
     def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Append S new entries k, v (B, Hkv, S, D) with positions (B, S); compile-safe.
 
-        Full layers write at the cursor (then advance it); ring layers at position % window.
+        Full layers write at the cursor (then advance it); ring layers at position % window. Written
+        with `index_put_`, which a compiled graph keeps in place (a compiled `scatter_` into a buffer
+        copies the whole buffer every step).
         """
         B, H, S, D = k.shape
         if self.window is not None:
             if S > self.capacity:  # only the last `window` entries can ever be seen again
                 k, v, positions = k[:, :, -self.capacity:], v[:, :, -self.capacity:], positions[:, -self.capacity:]
                 S = self.capacity
-            idx = torch.remainder(positions, self.capacity)[:, None, :]  # (B, 1, S)
+            slot = torch.remainder(positions, self.capacity)  # (B, S)
         else:
-            idx = (self.cursor + torch.arange(S, device=k.device)).view(1, 1, S).expand(B, 1, S)
+            slot = (self.cursor + torch.arange(S, device=k.device)).view(1, S).expand(B, S)
             self.cursor.add_(S)
-        idx = idx.expand(B, H, S)  # (B, Hkv, S)
-        self.k.scatter_(2, idx[..., None].expand(B, H, S, D), k)
-        self.v.scatter_(2, idx[..., None].expand(B, H, S, D), v)
-        self.pos.scatter_(2, idx, positions[:, None].expand(B, H, S))
+        rows = torch.arange(B, device=k.device).view(B, 1, 1)
+        heads = torch.arange(H, device=k.device).view(1, H, 1)
+        where = (rows, heads, slot[:, None, :])  # broadcast to (B, Hkv, S)
+        self.k.index_put_(where, k.to(self.k.dtype))
+        self.v.index_put_(where, v.to(self.v.dtype))
+        self.pos.index_put_(where, positions[:, None, :].expand(B, H, S))
 
     def nbytes(self) -> int:
         """Bytes of K and V."""
@@ -99,3 +111,62 @@ class StaticKVCache(nn.Module):
     @property
     def capacity(self) -> int:
         return max(layer.capacity for layer in self.layers)
+
+
+class StackedKVCache(nn.Module):
+    """The rows of several caches of one model as one batch, so one decode step serves them all
+    (e.g. every method's compressed prompt: the weights are read once per step, not once per method).
+
+    Full-attention layers are padded to a common capacity (the largest cursor plus the smallest free
+    room, rounded up like every cache) and written at the largest cursor: a row with fewer entries keeps empty slots (position -1,
+    never attended to). Sliding layers become rings of the window when any row has one: a row whose
+    layer is not a ring holds fewer than `window` positions, all of which fit the ring.
+    """
+
+    def __init__(self, caches: list):
+        super().__init__()
+        if not caches:
+            raise ValueError("nothing to stack: give at least one cache")
+        if len({len(c.layers) for c in caches}) != 1:
+            raise ValueError("caches of different models (layer counts differ) cannot be stacked")
+        self.layers = nn.ModuleList(_stack_layer([c.layers[i] for c in caches]) for i in range(len(caches[0].layers)))
+        self.rows = [c.layers[0].k.shape[0] for c in caches]
+
+    def free(self) -> int:
+        """Tokens that can still be appended to every row (rings never fill)."""
+        return min((layer.capacity - int(layer.cursor) for layer in self.layers if layer.window is None),
+                   default=1 << 30)
+
+
+def _stack_layer(parts: list[LayerKVCache]) -> LayerKVCache:
+    first = parts[0]
+    _, H, _, D = first.k.shape
+    if any(p.k.shape[1] != H or p.k.shape[3] != D or p.k.dtype != first.k.dtype for p in parts):
+        raise ValueError("caches with different KV heads, head dims or dtypes cannot be stacked")
+    batch = sum(p.k.shape[0] for p in parts)
+    windows = {p.window for p in parts if p.window is not None}
+    if len(windows) > 1:
+        raise ValueError(f"sliding layers with different windows {sorted(windows)} cannot be stacked")
+    if windows:
+        out = LayerKVCache(batch, H, 0, D, first.k.dtype, first.k.device, window=windows.pop())
+        row = 0
+        for p in parts:
+            b = p.k.shape[0]
+            ring = LayerKVCache(b, H, 0, D, p.k.dtype, p.k.device, window=out.window)
+            ring._fill_ring(p.k, p.v, p.pos[:, 0])  # sliding layers hold the same positions in every head
+            for name in ("k", "v", "pos"):
+                getattr(out, name)[row:row + b] = getattr(ring, name)
+            row += b
+        return out
+    cursor = max(int(p.cursor) for p in parts)
+    capacity = round_capacity(cursor + min(p.capacity - int(p.cursor) for p in parts))  # one decode graph per size
+    out = LayerKVCache(batch, H, capacity, D, first.k.dtype, first.k.device)
+    row = 0
+    for p in parts:
+        b, used = p.k.shape[0], int(p.cursor)
+        out.k[row:row + b, :, :used] = p.k[:, :, :used]
+        out.v[row:row + b, :, :used] = p.v[:, :, :used]
+        out.pos[row:row + b, :, :used] = p.pos[:, :, :used]
+        row += b
+    out.cursor.fill_(cursor)
+    return out

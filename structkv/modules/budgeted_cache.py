@@ -10,11 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models.kv_cache import LayerKVCache
+from ..models.kv_cache import LayerKVCache, round_capacity
 from ..ops import compact_kv
 from .selection import pads_last
-
-CAPACITY_MULTIPLE = 64
 
 
 class BudgetedKVCache(nn.Module):
@@ -33,9 +31,7 @@ class BudgetedKVCache(nn.Module):
         for i, budget in enumerate(budgets):
             window = cfg.window(i)
             ring = window is not None and window < budget + room
-            # Rounded up so prompts of similar length share one compiled decode graph; the extra
-            # slots stay empty (position -1) and are never attended to.
-            capacity = -(-(budget + room) // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+            capacity = round_capacity(budget + room)
             layers.append(LayerKVCache(batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype, device,
                                        window=window if ring else None))
         self.layers = nn.ModuleList(layers)
