@@ -63,7 +63,12 @@ def _eval(args) -> int:
                      longbench_full=args.longbench_full, data_dir=args.data, compile=not args.eager,
                      shared=not args.separate)
     cfg.validate()  # bad names fail before the model loads
-    result = run(cfg, args.out, progress=not args.quiet)
+    if args.report:
+        from structkv.eval.runner import report
+
+        result = report(cfg, args.out)
+    else:
+        result = run(cfg, args.out, progress=not args.quiet)
     from structkv.eval.runner import summary_markdown
 
     print(summary_markdown(result, cfg))
@@ -146,6 +151,8 @@ def main(argv=None) -> int:
     e.add_argument("--threads", type=int, default=None)
     e.add_argument("--eager", action="store_true")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
+    e.add_argument("--report", action="store_true",
+                   help="compute nothing: rebuild metrics.json, summary.md and plots from the predictions so far")
     e.add_argument("--separate", action="store_true",
                    help="run every method alone (its own prefill and decode, so per-call decode speed); default: "
                         "one prefill per group of methods that share it and one stacked decode per sample")

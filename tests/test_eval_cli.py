@@ -80,6 +80,23 @@ def test_ruler_run_writes_every_file_and_resumes(byte_model_dir, tmp_path, capsy
         assert shared[key]["shared"] and "shared" not in p
         assert shared[key]["decode_tokens_per_s"] is None and p["decode_tokens_per_s"] > 0
 
+    # --report rebuilds the tables from what is there, computing nothing; partial coverage is said.
+    (out / "summary.md").unlink()
+    runner._run_shared = None  # any computation would fail
+    try:
+        assert main(["eval", "ruler", "--model", str(byte_model_dir), "--out", str(out), *ARGS, "--report"]) == 0
+        assert "2 sample(s) per task, R_struct" in (out / "summary.md").read_text()
+        assert main(["eval", "ruler", "--model", str(byte_model_dir), "--out", str(out), *ARGS, "--samples", "3",
+                     "--report"]) == 0
+    finally:
+        runner._run_shared = real
+    summary = (out / "summary.md").read_text()
+    assert "not all scored yet" in summary and "| full | - | 1536 |" in summary
+    assert "| 4 |" in summary  # the samples column: 2 tasks x 2 samples scored
+    assert main(["eval", "ruler", "--model", str(byte_model_dir), "--out", str(tmp_path / "empty"), *ARGS,
+                 "--report"]) == 2
+    assert "no predictions.jsonl" in capsys.readouterr().err
+
 
 def test_a_method_cannot_report_under_another_name(byte_model_dir, tmp_path, monkeypatch):
     """If the registry hands back a different method than asked, the run stops instead of mislabelling."""

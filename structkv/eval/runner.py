@@ -296,8 +296,39 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
                                       compile=cfg.compile)
                     file(label, name, budget, sample, result, graphs)
     bar.close()
-    wanted = {sample_key(label, s) for label, _, _ in runs for s in samples}
+    return _report(cfg, out, done)
+
+
+def report(cfg: EvalConfig, out: str | os.PathLike) -> dict:
+    """Rebuild metrics.json, summary.md and the plots from the predictions so far, computing
+    nothing (e.g. while a long run is still going, or after it was stopped)."""
+    out = Path(out)
+    if not (out / "predictions.jsonl").exists():
+        raise FileNotFoundError(f"{out} has no predictions.jsonl; run the evaluation first")
+    done = {}
+    for line in (out / "predictions.jsonl").read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by an interrupted run
+            continue
+        done[rec["key"]] = rec
+    return _report(cfg, out, done)
+
+
+def _wanted(cfg: EvalConfig) -> set[str]:
+    """The keys of every prediction the run asks for (a task may hold fewer samples than asked)."""
+    depths = cfg.depths if cfg.benchmark == "niah" else [None]
+    return {sample_key(label, {"length_budget": n, "task": task, "index": i,
+                               **({"depth": d} if d is not None else {})})
+            for label, _, _ in method_runs(cfg) for n in cfg.lengths for task in (cfg.tasks or cfg.all_tasks())
+            for d in depths for i in range(cfg.samples)}
+
+
+def _report(cfg: EvalConfig, out: Path, done: dict[str, dict]) -> dict:
+    wanted = _wanted(cfg)
     records = [r for k, r in done.items() if k in wanted]
+    if not records:
+        raise ValueError(f"{out} holds no predictions for these settings yet")
     result = aggregate(records)
     (out / "metrics.json").write_text(json.dumps(result, indent=2))
     (out / "summary.md").write_text(summary_markdown(result, cfg))
@@ -378,15 +409,19 @@ def aggregate(records: list[dict]) -> dict:
 def summary_markdown(result: dict, cfg: EvalConfig | None = None) -> str:
     rows = result["rows"]
     tasks = sorted({t for r in rows for t in r["tasks"]})
-    head = ["method", "R_KV", "length", *tasks, "avg", "prefill s", "prefill frac", "KV MiB", "decode tok/s"]
+    head = ["method", "R_KV", "length", *tasks, "avg", "samples", "prefill s", "prefill frac", "KV MiB", "decode tok/s"]
     lines = []
     if cfg is not None:
-        lines.append(f"# {cfg.benchmark} on {cfg.model}: {cfg.samples} sample(s) per task, R_struct {cfg.struct_budget}\n")
+        counts = {n for r in rows for n in r["n"].values()}
+        partial = " (not all scored yet: see the samples column)" if counts != {cfg.samples} or any(
+            len(r["tasks"]) < len(tasks) for r in rows) else ""
+        lines.append(f"# {cfg.benchmark} on {cfg.model}: {cfg.samples} sample(s) per task{partial}, "
+                     f"R_struct {cfg.struct_budget}\n")
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["method"], "-" if r["kv_budget"] is None else f"{r['kv_budget']:g}", str(r["length"])]
         cells += [f"{r['tasks'][t]:.1f}" if t in r["tasks"] else "" for t in tasks]
-        cells += [f"{r['average']:.1f}", f"{r['prefill_s']:.2f}", f"{r['prefill_fraction']:.2f}",
+        cells += [f"{r['average']:.1f}", str(sum(r["n"].values())), f"{r['prefill_s']:.2f}", f"{r['prefill_fraction']:.2f}",
                   f"{r['kv_cache_bytes'] / 2**20:.1f}",
                   f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] is not None else "-"]
         lines.append("| " + " | ".join(cells) + " |")
