@@ -281,6 +281,13 @@ def _vt_example(rng: random.Random, task: Task, tokenizer) -> str:
         noises += 1
 
 
+@lru_cache(maxsize=64)
+def _vt_example_of(name: str, index: int, seed: int, length: int, tokenizer) -> str:
+    """A sample's in-context example: fixed by its seed, so built once, not at every size the
+    haystack search tries (each build tokenizes several candidate chains)."""
+    return _vt_example(random.Random(f"{seed}/{name}/{length}/{index}/example"), TASKS[name], tokenizer)
+
+
 def _cwe_list(rng: random.Random, n_words: int, common_repeats: int, rare_repeats: int, common: int):
     words = rng.sample(_cwe_words(), n_words)
     frequent, rare = words[:common], words[common:]
@@ -350,8 +357,7 @@ def _build(name: str, index: int, size: int, seed: int, length: int, root, token
     if task.kind == "niah":
         return _niah_sample(task, rng, size, root)
     if task.kind == "vt":
-        example = _vt_example(random.Random(f"{seed}/{name}/{length}/{index}/example"), task, tokenizer)
-        return _vt_sample(task, rng, size, root, example)
+        return _vt_sample(task, rng, size, root, _vt_example_of(name, index, seed, length, tokenizer))
     if task.kind == "cwe":
         return _cwe_sample(task, rng, size, root, length)
     if task.kind == "fwe":

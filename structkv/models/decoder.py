@@ -154,9 +154,12 @@ def _sliding_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: to
     return sliding_self_attention(q, k, v, positions, window, scale).contiguous()
 
 
-@_sliding_op.register_fake
-def _(q, k, v, positions, window, scale):
+def _shaped_like_q(q, *args):
+    """Fake (meta) implementation of both attention ops: the output has q's shape."""
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+_sliding_op.register_fake(_shaped_like_q)
 
 
 CAUSAL_BLOCK = 2048  # queries per block of full-attention prefill
@@ -191,9 +194,7 @@ def _causal_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
     return causal_self_attention(q, k, v, positions, scale, block).contiguous()
 
 
-@_causal_op.register_fake
-def _(q, k, v, positions, scale, block):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+_causal_op.register_fake(_shaped_like_q)
 
 
 def self_attention(attn: "Attention", q, k, v, positions: torch.Tensor) -> torch.Tensor:
