@@ -4,6 +4,10 @@ Prefill latency at several prompt lengths and decode tokens/s at a 4K context; o
 then `--repeats` timed runs; medians, spreads and ratios printed as a markdown table.
 
     python benchmarks/decoder_speed.py [--lengths 1024,4096,8192] [--repeats 3] [--json out.json]
+    python benchmarks/decoder_speed.py --lengths none --repeats 5   # decode only
+
+Decode is also timed with the exact int8 copy of the LM head (`model.use_int8_head()`: the GGUF's
+Q8_0 head as int8 codes + block scales, same numbers; greedy tokens checked equal).
 """
 from __future__ import annotations
 
@@ -60,12 +64,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = [] if args.lengths == "none" else [int(x) for x in args.lengths.split(",")]
 
     model = structkv.load("gemma-3-270m")
     hf = hf_twin(model)
     prompts = {n: torch.tensor([needle_prompt(model.tokenizer, n, 0.5).prompt_ids]) for n in lengths}
-    ids = prompts[lengths[0]]
+    ids = torch.tensor([needle_prompt(model.tokenizer, 1024, 0.5).prompt_ids])
     assert torch.allclose(hf(ids).logits.float(), model(ids), atol=1e-3), "transformers twin differs"
 
     def ours_prefill(tokens, comp):
@@ -77,8 +81,8 @@ def main():
         return model.prompt_pass(tokens, pos)
 
     rows = []
-    warm = prompts[lengths[0]]
-    for name, fn in [("structkv compiled", lambda t: ours_prefill(t, True)),
+    warm = ids
+    for name, fn in [] if not lengths else [("structkv compiled", lambda t: ours_prefill(t, True)),
                      ("structkv eager", lambda t: ours_prefill(t, False)),
                      ("transformers sdpa", lambda t: hf(t, use_cache=True, logits_to_keep=1))]:
         fn(warm)  # compile / warm caches once for all lengths
@@ -91,9 +95,15 @@ def main():
     ctx = torch.tensor([needle_prompt(model.tokenizer, args.decode_context, 0.5).prompt_ids])
     n_new = args.decode_tokens
 
-    def ours_decode(comp):
+    def ours_decode(comp, int8=False):
+        model.int8_head = head if int8 else None
         out = structkv.generate(model, ctx[0].tolist(), max_new_tokens=n_new, stop_at_eos=False, compile=comp)
+        model.int8_head = None
+        tokens[int8] = out.token_ids
         return out.stats["decode_tokens_per_s"]
+
+    head, tokens = model.use_int8_head().int8_head, {}
+    model.int8_head = None
 
     def hf_decode():
         out = hf(ctx, use_cache=True, logits_to_keep=1)
@@ -105,6 +115,7 @@ def main():
         return (n_new - 1) / (time.perf_counter() - t)
 
     for name, fn in [("structkv compiled", lambda: ours_decode(True)), ("structkv eager", lambda: ours_decode(False)),
+                     ("structkv compiled int8 head", lambda: ours_decode(True, int8=True)),
                      ("transformers sdpa", hf_decode)]:
         fn()  # warm-up
         rates = [fn() for _ in range(args.repeats)]
@@ -122,10 +133,12 @@ def main():
     for n in lengths:
         c, e, h = (get(i, "prefill", n, "median_s") for i in ("structkv compiled", "structkv eager", "transformers sdpa"))
         print(f"| {n} | {c:.2f} | {e:.2f} | {h:.2f} | {h / c:.2f}x |")
-    c, e, h = (get(i, "decode", args.decode_context, "median_tok_s")
-               for i in ("structkv compiled", "structkv eager", "transformers sdpa"))
-    print(f"\n| decode at {args.decode_context} context | structkv compiled | structkv eager | transformers sdpa "
-          f"| compiled / HF |\n|---|---|---|---|---|\n| tokens/s | {c:.1f} | {e:.1f} | {h:.1f} | {c / h:.2f}x |")
+    assert tokens[True] == tokens[False], "the int8 head changed the greedy tokens"
+    c, e, q, h = (get(i, "decode", args.decode_context, "median_tok_s")
+                  for i in ("structkv compiled", "structkv eager", "structkv compiled int8 head", "transformers sdpa"))
+    print(f"\n| decode at {args.decode_context} context | structkv compiled | structkv eager | structkv compiled, "
+          f"int8 head | transformers sdpa | compiled / HF | int8 head / HF |\n|---|---|---|---|---|---|---|\n"
+          f"| tokens/s | {c:.1f} | {e:.1f} | {q:.1f} | {h:.1f} | {c / h:.2f}x | {q / h:.2f}x |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -41,6 +41,7 @@ class BenchConfig:
     device: str = "cpu"
     compile: bool = True
     seed: int = 0
+    int8_head: bool = False  # decode from the exact int8 copy of the LM head (GGUF Q8_0 heads)
 
     def validate(self):
         valid = methods_registry.names()
@@ -292,6 +293,8 @@ def run(cfg: BenchConfig, out: str | Path | None = None, model=None, progress=Tr
             raise ValueError(f"length {n} + {cfg.new_tokens} new tokens exceeds the model's {limit} positions")
     hf = hf_twin(model) if cfg.hf else None
     twin_diff = check_twin(model, hf) if hf is not None else None
+    if cfg.int8_head:
+        model.use_int8_head()
     rows = []
     for n in cfg.lengths:
         ids = prompt_ids(model, n, cfg.seed)

@@ -35,10 +35,16 @@ def _generate(args) -> int:
     import structkv
 
     model = structkv.load(args.model, dtype=args.dtype)
+    if args.int8_head:
+        model.use_int8_head()
     out = structkv.generate(model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, compile=not args.eager, seed=args.seed)
     print(out.text)
     return 0
+
+
+INT8_HELP = ("decode from an exact int8 copy of the LM head (GGUF Q8_0 heads, e.g. gemma-3-270m): same logits, "
+             "fewer bytes per token; fails if the head is not int8 blocks")
 
 
 def _csv(kind):
@@ -92,7 +98,7 @@ def _bench(args) -> int:
         cfg = bench.BenchConfig(model=model, methods=args.methods, lengths=args.lengths, kv_budget=args.kv_budget,
                                 struct_budget=args.struct_budget, pivot=args.pivot, new_tokens=args.new_tokens,
                                 repeats=args.repeats, warmup=args.warmup, hf=not args.no_hf, dtype=args.dtype,
-                                device=args.device, compile=not args.eager, seed=args.seed)
+                                device=args.device, compile=not args.eager, seed=args.seed, int8_head=args.int8_head)
         folder = out / model.replace("/", "_").replace(":", "_") if len(args.model) > 1 else out
         results.append(bench.run(cfg, folder))
         print(bench.markdown(results[-1]))
@@ -130,6 +136,7 @@ def main(argv=None) -> int:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--eager", action="store_true")
+    g.add_argument("--int8-head", action="store_true", help=INT8_HELP)
     g.set_defaults(fn=_generate)
     e = sub.add_parser("eval", help="accuracy of methods on RULER, LongBench or a needle grid (offline, resumable)")
     e.add_argument("benchmark", choices=["ruler", "longbench", "niah"])
@@ -177,6 +184,7 @@ def main(argv=None) -> int:
     b.add_argument("--out", default="bench_results")
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--eager", action="store_true")
+    b.add_argument("--int8-head", action="store_true", help=INT8_HELP)
     b.set_defaults(fn=_bench)
     args = p.parse_args(argv)
     try:
