@@ -25,7 +25,7 @@ def _demo(args) -> int:
     print(f"\nRULER {', '.join(DEMO_TASKS)} at {args.tokens} tokens, {args.samples} samples each, "
           f"R_KV {args.kv_budget}, R_struct {args.r_struct} ({time.perf_counter() - t0:.0f} s incl. compiles)\n")
     print(summary_markdown(result))
-    print("prefill s and decode tok/s are means over calls that did not compile; KV MiB counts every layer "
+    print("prefill s and decode tok/s are medians over calls that did not compile; KV MiB counts every layer "
           "(Gemma 3's sliding-window layers keep their 512-token windows).")
     print(f"table, predictions and plots in {args.out}/")
     return 0

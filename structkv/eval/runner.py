@@ -377,9 +377,17 @@ def _mean(values):
     return sum(values) / len(values) if values else None
 
 
+def _median(values):
+    values = sorted(v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v)))
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
 def aggregate(records: list[dict]) -> dict:
-    """Scores x100 per (method label, length, task), their average, and mean speed/memory stats
-    (times averaged over the calls that did not compile, when there are any)."""
+    """Scores x100 per (method label, length, task), their average, and speed/memory stats (times:
+    medians over the calls that did not compile, when there are any; the rest: means)."""
     rows: dict[str, dict] = {}
     for r in records:
         row = rows.setdefault(f"{r['label']}|{r['length_budget']}", {
@@ -396,8 +404,8 @@ def aggregate(records: list[dict]) -> dict:
         row["tasks"] = {t: 100 * sum(v) / len(v) for t, v in sorted(row["tasks"].items())}
         row["average"] = sum(row["tasks"].values()) / len(row["tasks"])
         warm = [r for r in recs if not r.get("compiled")] or recs  # times of calls that compiled mislead
-        for stat in ("prefill_s", "decode_tokens_per_s"):
-            row[stat] = _mean([r[stat] for r in warm])
+        for stat in ("prefill_s", "decode_tokens_per_s"):  # median: one call slowed by the machine moves it little
+            row[stat] = _median([r[stat] for r in warm])
         row["timed_calls"] = len(warm)
         for stat in ("prefill_fraction", "kv_cache_bytes", "prompt_tokens"):
             row[stat] = _mean([r[stat] for r in recs])
