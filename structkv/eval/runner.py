@@ -421,8 +421,9 @@ def summary_markdown(result: dict, cfg: EvalConfig | None = None) -> str:
     lines = []
     if cfg is not None:
         counts = {n for r in rows for n in r["n"].values()}
+        asked = set(cfg.tasks or cfg.all_tasks())
         partial = " (not all scored yet: see the samples column)" if counts != {cfg.samples} or any(
-            len(r["tasks"]) < len(tasks) for r in rows) else ""
+            set(r["tasks"]) != asked for r in rows) else ""
         lines.append(f"# {cfg.benchmark} on {cfg.model}: {cfg.samples} sample(s) per task{partial}, "
                      f"R_struct {cfg.struct_budget}\n")
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
