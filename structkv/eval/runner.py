@@ -182,6 +182,19 @@ def environment() -> dict:
     return info
 
 
+def _read_predictions(path: Path) -> dict[str, dict]:
+    """Finished predictions by key; a line cut by an interrupted run is skipped (so redone)."""
+    done = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            done[rec["key"]] = rec
+    return done
+
+
 def _open_output(cfg: EvalConfig, out: Path) -> dict[str, dict]:
     """Create or reopen the folder; returns the finished predictions by key."""
     out.mkdir(parents=True, exist_ok=True)
@@ -191,16 +204,8 @@ def _open_output(cfg: EvalConfig, out: Path) -> dict[str, dict]:
         clash = {k: (old.get(k), getattr(cfg, k)) for k in IDENTITY if old.get(k) != getattr(cfg, k)}
         if clash:
             raise ValueError(f"{out} holds results made with other settings {clash}; choose another --out folder")
-    done = {}
     pred_path = out / "predictions.jsonl"
-    if pred_path.exists():
-        for line in pred_path.read_text().splitlines():
-            if line.strip():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:  # a line cut by an interrupted run: redo that sample
-                    continue
-                done[rec["key"]] = rec
+    done = _read_predictions(pred_path) if pred_path.exists() else {}
     conf_path.write_text(json.dumps({"config": asdict(cfg), "environment": environment(),
                                      "command": " ".join(sys.argv)}, indent=2))
     return done
@@ -266,14 +271,14 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
             sink.write(json.dumps(record) + "\n")
             sink.flush()
             done[record["key"]] = record
-            bar.step(f"{label} {sample['task']} n={sample['length_budget']} #{sample['index']}")
+            bar.step(_what(label, sample))
 
         if cfg.shared:
             for sample in samples:
                 todo = []
                 for label, name, budget in runs:
                     if sample_key(label, sample) in done:
-                        bar.step(f"{label} {sample['task']} #{sample['index']}", skipped=True)
+                        bar.step(_what(label, sample), skipped=True)
                     else:
                         todo.append((label, name, budget, make_method(cfg, name, budget)))
                 if not todo:
@@ -289,7 +294,7 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
                 method = make_method(cfg, name, budget)
                 for sample in samples:
                     if sample_key(label, sample) in done:
-                        bar.step(f"{label} {sample['task']} #{sample['index']}", skipped=True)
+                        bar.step(_what(label, sample), skipped=True)
                         continue
                     graphs = _graphs_compiled()
                     result = generate(model, sample["input_ids"], max_new_tokens=_cap(cfg, sample), method=method,
@@ -305,14 +310,7 @@ def report(cfg: EvalConfig, out: str | os.PathLike) -> dict:
     out = Path(out)
     if not (out / "predictions.jsonl").exists():
         raise FileNotFoundError(f"{out} has no predictions.jsonl; run the evaluation first")
-    done = {}
-    for line in (out / "predictions.jsonl").read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by an interrupted run
-            continue
-        done[rec["key"]] = rec
-    return _report(cfg, out, done)
+    return _report(cfg, out, _read_predictions(out / "predictions.jsonl"))
 
 
 def _wanted(cfg: EvalConfig) -> set[str]:
@@ -338,6 +336,10 @@ def _report(cfg: EvalConfig, out: Path, done: dict[str, dict]) -> dict:
     except ImportError as e:  # matplotlib is in the eval/demo extras
         print(f"structkv: plots skipped ({e}); pip install matplotlib", file=sys.stderr)
     return result
+
+
+def _what(label: str, sample: dict) -> str:
+    return f"{label} {sample['task']} n={sample['length_budget']} #{sample['index']}"
 
 
 def _cap(cfg: EvalConfig, sample: dict) -> int:
