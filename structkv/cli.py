@@ -162,7 +162,7 @@ def main(argv=None) -> int:
                    help="compute nothing: rebuild metrics.json, summary.md and plots from the predictions so far")
     e.add_argument("--separate", action="store_true",
                    help="run every method alone (its own prefill and decode, so per-call decode speed); default: "
-                        "one prefill per group of methods that share it and one stacked decode per sample")
+                        "one prefill pass shared by every method and one stacked decode per sample")
     e.set_defaults(fn=_eval)
     b = sub.add_parser("bench", help="prefill / decode speed, memory and overhead per method and length")
     b.add_argument("--model", type=_csv(str), default=["gemma-3-270m"],

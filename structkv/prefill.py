@@ -62,22 +62,14 @@ def _pooled(sal: torch.Tensor, method: Method) -> torch.Tensor:
     return out
 
 
-def _kv_scores(method: Method, sal: torch.Tensor, q, k, pos, valid, cfg) -> torch.Tensor:
-    """Scores (B, H, n), H = Hkv (per head) or 1 (shared), higher = keep."""
-    B, Hkv, n = sal.shape if sal is not None else (k.shape[0], k.shape[1], k.shape[2])
+def _kv_scores(method: Method, raw: torch.Tensor | None, pos, valid) -> torch.Tensor:
+    """Scores (B, H, n), H = Hkv (per head) or 1 (shared), higher = keep. `raw`: the window
+    saliency (B, Hkv, n), or for H2O the attention received from every prompt query."""
     if isinstance(method, StreamingLLM):
         rank = valid.long().cumsum(1) - 1  # (B, n) index among real tokens
         score = torch.where(rank < method.sinks, torch.full_like(pos, 1 << 40), pos).float()
         return score[:, None]
-    if isinstance(method, H2O):
-        total = torch.zeros(B, Hkv, n, device=k.device)
-        for s in range(0, n, H2O_QUERY_BLOCK):  # attention received from every prompt query
-            blk = slice(s, min(s + H2O_QUERY_BLOCK, n))
-            part, _ = window_scores(q[:, :, blk], k, pos[:, blk].contiguous(), pos, scale=cfg.scale)
-            total += part * (blk.stop - blk.start)
-        scores = total
-    else:
-        scores = _pooled(sal, method)
+    scores = raw if isinstance(method, H2O) else _pooled(raw, method)
     if not getattr(method, "per_head", True):
         scores = scores.sum(1, keepdim=True)
     return scores
@@ -107,12 +99,98 @@ def compiled_block(backend="inductor"):
 
 @dataclass
 class _Target:
-    """One method's share of a (possibly shared) prefill: its per-layer budgets, cache and own time."""
+    """One method's share of a (possibly shared) prefill: its per-layer budgets, cache and the time
+    of the work it needed (shared work counted in full: what it would have cost alone)."""
 
     method: Method
     layer_keep: dict[int, list[int]]
-    cache: BudgetedKVCache
+    cache: BudgetedKVCache | None  # None for GemFilter: its cache comes from the restart
     own: dict = field(default_factory=lambda: {"scoring_s": 0.0, "selection_s": 0.0, "cache_fill_s": 0.0})
+    other_s: float = 0.0  # embedding, layer blocks, logits
+
+
+@dataclass
+class _Stream:
+    """The tokens still computed and their hidden states; lanes share one until a lane propagates."""
+
+    h: torch.Tensor  # (B, n, E)
+    pos: torch.Tensor  # (B, n) original positions, -1 = padding
+    cols: torch.Tensor  # (B, n) original prompt column of each token
+    rope: dict
+    qkv: tuple = ()  # the current layer's (q, k, v)
+
+
+class _Lane:
+    """Methods with one `prefill_key`: they propagate the same tokens, by the first one's rule."""
+
+    def __init__(self, model, targets: list[_Target], stream: _Stream, lengths: torch.Tensor, S: int):
+        cfg, B = model.config, len(lengths)
+        scored = cfg.full_attention_layers
+        lead = self.lead = targets[0].method
+        self.targets, self.stream = targets, stream
+        self.processed: list[int] = []  # tokens computed per layer
+        self.pivots: list[int | None] = [None] * B
+        self.states: list[CompressedState] | None = None  # set when the lane finishes early (GemFilter)
+        self.tsp_layer = resolve_layer(lead.tsp_layer, cfg, scored, "tsp_layer") if isinstance(lead, FastKV) else None
+        self.gem_layer = (resolve_layer(lead.filter_layer, cfg, scored, "filter_layer")
+                          if isinstance(lead, GemFilter) else None)
+        self.tracker = self.detector = self.fixed_pivot = None
+        if isinstance(lead, StructKV):
+            self.keep = budget_tokens(lead.r_struct, lengths, "structkv r_struct")
+            lead._check_window(self.keep, lengths, "r_struct")
+            self.tracker = CentralityTracker(lead.decay)
+            self.tracker.reset(B, S, device=stream.h.device)
+            if lead.pivot == "dynamic":
+                ratio = lead.r_struct if isinstance(lead.r_struct, float) else lead.r_struct / max(lengths.tolist())
+                self.detector = PivotDetector(cfg.num_layers, scored, lead.depth_range, lead.weights, topk_ratio=ratio)
+                self.detector.reset(B)
+            else:
+                self.fixed_pivot = resolve_layer(lead.pivot, cfg, scored, "pivot")
+        if isinstance(lead, FastKV):
+            self.keep = budget_tokens(lead.tsp_rate, lengths, "fastkv tsp_rate")
+            lead._check_window(self.keep, lengths, "tsp_rate")
+        if isinstance(lead, GemFilter):
+            self.keep = budget_tokens(lead.kv_budget, lengths, "gemfilter kv_budget")
+        self.pruner = SkeletonPruner(getattr(lead, "window", 0))
+
+    def needs_window(self, layer: int, scored: list[int]) -> bool:
+        """Does the propagation rule read the window scores of this layer?"""
+        open_ = self.tracker is not None and any(p is None for p in self.pivots)
+        return self.lead.needs_scores and layer in scored and (open_ or layer == self.tsp_layer)
+
+    def propagate(self, layer: int, scored: list[int], sal, ent) -> float:
+        """FastKV's TSP or StructKV's skeleton after `layer`: a new stream of the kept tokens.
+        Returns the seconds spent on pivot statistics (scoring, not selection)."""
+        st, lead, B = self.stream, self.lead, len(self.pivots)
+        n, valid = st.h.shape[1], st.pos >= 0
+        stats_s, keep_rows = 0.0, None  # keep_rows: per-row token counts to keep (None: no propagation)
+        if layer == self.tsp_layer:
+            score = _pooled(sal, lead).sum(1)  # (B, n)
+            keep_rows, self.pivots = self.keep, [layer] * B
+        if self.tracker is not None and any(p is None for p in self.pivots) and layer in scored:
+            w = lead.window
+            self.tracker.update(_pooled(sal, lead).sum(1) / w, st.cols, layer=layer)  # S^(l); window forced, not ranked
+            if self.detector is not None:
+                t = clock()
+                n_vis = ((st.pos[:, None, :] >= 0) & (st.pos[:, None, :] <= st.pos[:, n - w:, None])).sum(-1)  # (B, w)
+                stats = PivotDetector.statistics(sal, ent, n_vis, valid, self.detector.topk_ratio)
+                fired = self.detector.observe(layer, stats)
+                stats_s = clock() - t
+            else:
+                fired = [layer == self.fixed_pivot] * B
+            if any(fired):
+                score = self.tracker.current(st.cols)
+                keep_rows = [self.keep[b] if fired[b] else n for b in range(B)]
+                self.pivots = [layer if fired[b] else self.pivots[b] for b in range(B)]
+        if keep_rows is not None:
+            idx = self.pruner.select(score, valid, keep_rows)  # (B, K)
+            h, cols, pos = self.pruner.gather(idx, st.h, st.cols, positions=st.pos)
+            self.stream = _Stream(h, pos, cols, None)  # rope set by the caller (needs the model)
+        return stats_s
+
+    def syncs(self) -> int:
+        fixed = self.tsp_layer is not None or self.fixed_pivot is not None or self.gem_layer is not None
+        return (self.detector.host_syncs if self.detector else 0) + (1 if fixed else 0)
 
 
 @torch.inference_mode()
@@ -131,29 +209,28 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
 @torch.inference_mode()
 def compress_shared(model, tokens: torch.Tensor, positions: torch.Tensor, methods: list[Method],
                     room: int = 256, compile=False) -> list[CompressedState]:
-    """One prefill pass for several methods that compute the same hidden states (equal
-    `prefill_key`: full, StreamingLLM, SnapKV, PyramidKV and H2O at any budgets; FastKV or StructKV
-    at several KV budgets). Each fills its own cache from its own selection, so each state equals
-    `compress(method)` alone. Timings: a state's `prefill_s` is the pass minus the other methods'
-    own work (their selection, cache fill and method-specific scoring).
+    """One prefill for any mix of methods; each state equals `compress(method)` alone.
+
+    Methods with equal `prefill_key` form a lane: they compute the same hidden states to the last
+    layer (full, StreamingLLM, SnapKV, PyramidKV, H2O at any budgets; FastKV or StructKV at several
+    KV budgets) and differ only in what each layer's cache keeps. All lanes share one stream of
+    hidden states until a lane propagates (FastKV's TSP layer, StructKV's pivot, GemFilter's
+    restart) and goes on with its own tokens. Scores are computed once per stream and layer.
+
+    Timings: a state's `prefill_s` is the work its method needed, shared work counted in full (what
+    it would have cost alone); `stats["shared_prefill"]["pass_s"]` is the whole pass.
     """
     methods = [m or Full() for m in methods]
     if not methods:
         raise ValueError("compress_shared needs at least one method")
-    if len({m.prefill_key() for m in methods}) != 1:
-        raise ValueError(f"methods {[m.name for m in methods]} do not share a prefill (different prefill_key); "
-                         "compress them separately")
-    lead = methods[0]  # its propagation (FastKV, StructKV, GemFilter) is every method's
     cfg = model.config
     B, S = tokens.shape
     L, scored = cfg.num_layers, cfg.full_attention_layers
     if not scored:
         raise ValueError("the model has no full-attention layer to score; compression needs one")
-    valid = positions >= 0
-    lengths = valid.sum(1)
+    lengths = (positions >= 0).sum(1)
     block_fn = run_block if not compile else compiled_block("inductor" if compile is True else compile)
     t0 = clock()
-    timers = {"scoring_s": 0.0, "selection_s": 0.0, "cache_fill_s": 0.0}  # shared work
 
     # ---------------------------------------------------------------- plan (host, once)
     targets = []
@@ -161,134 +238,148 @@ def compress_shared(model, tokens: torch.Tensor, positions: torch.Tensor, method
         kv_keep = m.kv_keep(lengths) if m.compresses_kv else None
         layer_keep = {i: m.layer_keep(i, cfg, lengths, kv_keep) for i in scored} if kv_keep else {}
         budgets = [max(layer_keep[i]) if i in layer_keep else S for i in range(L)]
-        targets.append(_Target(m, layer_keep, BudgetedKVCache(cfg, B, budgets, room, model.dtype, model.device)))
-    tsp_layer = resolve_layer(lead.tsp_layer, cfg, scored, "tsp_layer") if isinstance(lead, FastKV) else None
-    gem_layer = resolve_layer(lead.filter_layer, cfg, scored, "filter_layer") if isinstance(lead, GemFilter) else None
-    tracker = detector = fixed_pivot = None
-    struct_keep = tsp_keep = gem_keep = None
-    if isinstance(lead, StructKV):
-        struct_keep = budget_tokens(lead.r_struct, lengths, "structkv r_struct")
-        lead._check_window(struct_keep, lengths, "r_struct")
-        tracker = CentralityTracker(lead.decay)
-        tracker.reset(B, S, device=tokens.device)
-        if lead.pivot == "dynamic":
-            ratio = lead.r_struct if isinstance(lead.r_struct, float) else lead.r_struct / max(lengths.tolist())
-            detector = PivotDetector(L, scored, lead.depth_range, lead.weights, topk_ratio=ratio)
-            detector.reset(B)
-        else:
-            fixed_pivot = resolve_layer(lead.pivot, cfg, scored, "pivot")
-    if isinstance(lead, FastKV):
-        tsp_keep = budget_tokens(lead.tsp_rate, lengths, "fastkv tsp_rate")
-        lead._check_window(tsp_keep, lengths, "tsp_rate")
-    if isinstance(lead, GemFilter):
-        gem_keep = budget_tokens(lead.kv_budget, lengths, "gemfilter kv_budget")
-    pruner = SkeletonPruner(getattr(lead, "window", 0))
+        cache = None if isinstance(m, GemFilter) else BudgetedKVCache(cfg, B, budgets, room, model.dtype, model.device)
+        targets.append(_Target(m, layer_keep, cache))
+    pos = positions.clone()  # an inference tensor like every later one: no recompile after propagation
+    trunk = _Stream(model.embed(tokens), pos, torch.arange(S, device=tokens.device).expand(B, S), model.rope_tables(pos))
+    groups: dict[tuple, list[_Target]] = {}
+    for target in targets:
+        groups.setdefault(target.method.prefill_key(), []).append(target)
+    lanes = [_Lane(model, members, trunk, lengths, S) for members in groups.values()]
+    accounted = clock() - t0  # every timed piece once; the rest (host overhead) is charged to everyone
+    for target in targets:
+        target.other_s += accounted
 
     # ---------------------------------------------------------------- the layer loop
-    h = model.embed(tokens)
-    pos = positions.clone()  # an inference tensor like every later one: no recompile after propagation
-    cols = torch.arange(S, device=tokens.device).expand(B, S)  # original column of each token
-    rope = model.rope_tables(pos)
-    processed: list[int] = []
-    pivots: list[int | None] = [None] * B
     for i in range(L):
-        valid = pos >= 0
-        processed.append(int(valid.sum()))
-        cos, sin = rope[cfg.layer_types[i]]
-        if block_fn is not run_block:  # one compile for every length: mark the token dimension dynamic
-            for t, dim in ((h, 1), (pos, 1), (cos, 2), (sin, 2)):
-                torch._dynamo.mark_dynamic(t, dim, min=2, max=cfg.max_position_embeddings)
-        h, q, k, v = block_fn(model.model.layers[i], h, pos, cos, sin)
-        n = h.shape[1]
-
-        # observation-window saliency, once per window size that someone at this layer needs
-        centrality_open = tracker is not None and any(p is None for p in pivots)
-        windows = {t.method.window for t in targets if t.method.needs_scores and i in t.layer_keep}
-        if lead.needs_scores and i in scored and (centrality_open or i == tsp_layer):
-            windows.add(lead.window)
-        window_sal = {}
-        for w in sorted(windows):
+        active = [lane for lane in lanes if lane.states is None]
+        if not active:
+            break
+        for st in {id(lane.stream): lane.stream for lane in active}.values():  # one block per stream
             t = clock()
-            window_sal[w] = window_scores(q[:, :, n - w:], k, pos[:, n - w:].contiguous(), pos, scale=cfg.scale)
-            timers["scoring_s"] += clock() - t
+            cos, sin = st.rope[cfg.layer_types[i]]
+            if block_fn is not run_block:  # one compile for every length: mark the token dimension dynamic
+                for x, dim in ((st.h, 1), (st.pos, 1), (cos, 2), (sin, 2)):
+                    torch._dynamo.mark_dynamic(x, dim, min=2, max=cfg.max_position_embeddings)
+            st.h, *qkv = block_fn(model.model.layers[i], st.h, st.pos, cos, sin)
+            st.qkv = tuple(qkv)
+            spent = clock() - t
+            accounted += spent
+            for target in (t for lane in active if lane.stream is st for t in lane.targets):
+                target.other_s += spent
 
-        for target in targets:  # each method's own cache
-            m, own = target.method, target.own
+        memo: dict[tuple, tuple] = {}  # (stream id, window or "h2o") -> (scores, seconds)
+
+        def scores(st: _Stream, what):
+            """Window scores (saliency, entropy) of the last `what` queries, or H2O's attention
+            received from every query: computed once per stream and layer."""
+            nonlocal accounted
+            if (id(st), what) not in memo:
+                t = clock()
+                q, k, _ = st.qkv
+                n = k.shape[2]
+                if what == "h2o":
+                    out = torch.zeros(B, k.shape[1], n, device=k.device)
+                    for s in range(0, n, H2O_QUERY_BLOCK):
+                        blk = slice(s, min(s + H2O_QUERY_BLOCK, n))
+                        part, _ = window_scores(q[:, :, blk], k, st.pos[:, blk].contiguous(), st.pos, scale=cfg.scale)
+                        out += part * (blk.stop - blk.start)
+                else:
+                    out = window_scores(q[:, :, n - what:], k, st.pos[:, n - what:].contiguous(), st.pos,
+                                        scale=cfg.scale)
+                memo[id(st), what] = (out, clock() - t)
+                accounted += memo[id(st), what][1]
+            return memo[id(st), what][0]
+
+        for lane in active:
+            st, lead = lane.stream, lane.lead
+            q, k, v = st.qkv
+            valid = st.pos >= 0
+            lane.processed.append(int(valid.sum()))
+            lane_needs = {(id(st), lead.window)} if lane.needs_window(i, scored) else set()
+            sal, ent = scores(st, lead.window) if lane_needs else (None, None)
+            for target in lane.targets:  # each method's own cache
+                m, own = target.method, target.own
+                needs = set(lane_needs)
+                idx = None
+                if i in target.layer_keep:
+                    raw = None
+                    if m.needs_scores:
+                        what = "h2o" if isinstance(m, H2O) else m.window
+                        raw = scores(st, what)
+                        raw = raw if what == "h2o" else raw[0]
+                        needs.add((id(st), what))
+                    t = clock()
+                    idx = select_tokens(_kv_scores(m, raw, st.pos, valid), valid, target.layer_keep[i], m.window)
+                    idx = idx.expand(B, k.shape[1], -1) if idx.shape[1] == 1 else idx
+                    spent = clock() - t
+                    own["selection_s"] += spent
+                    accounted += spent
+                own["scoring_s"] += sum(memo[key][1] for key in needs)
+                if target.cache is not None:
+                    t = clock()
+                    target.cache.fill(i, k, v, st.pos, idx)
+                    spent = clock() - t
+                    own["cache_fill_s"] += spent
+                    accounted += spent
+
             t = clock()
-            idx = None
-            if i in target.layer_keep:
-                sal = window_sal.get(m.window, (None, None))[0]
-                scores = _kv_scores(m, sal, q, k, pos, valid, cfg)
-                idx = select_tokens(scores, valid, target.layer_keep[i], m.window)
-                idx = idx.expand(B, k.shape[1], -1) if idx.shape[1] == 1 else idx
-            own["selection_s"] += clock() - t
+            stats_s, rerun_s = lane.propagate(i, scored, sal, ent), 0.0
+            if lane.stream is not st:
+                lane.stream.rope = model.rope_tables(lane.stream.pos)
+            if i == lane.gem_layer:  # GemFilter: pick tokens, renumber, restart the whole model on them
+                score = _gemfilter_scores(q, k, valid, lead.kernel)
+                idx = SkeletonPruner(0, positions="compact").select(score, valid, lane.keep)
+                new_cols = gather_tokens(st.cols, idx)
+                new_tokens = torch.where(idx >= 0, tokens.gather(1, new_cols), torch.zeros_like(new_cols))
+                new_pos = torch.where(idx >= 0, (idx >= 0).long().cumsum(1) - 1, torch.full_like(idx, -1))
+                t_rerun = clock()
+                rerun = compress(model, new_tokens, new_pos, Full(), room, compile=compile)
+                rerun_s = clock() - t_rerun
+                (target,) = lane.targets  # a GemFilter's key is its own
+                target.other_s += rerun_s
+                lane.pivots = [i] * B
+                lane.processed += rerun.stats["tokens_per_layer"]
+                target.cache = rerun.cache
+                lane.states = [CompressedState(rerun.cache, rerun.logits, rerun.next_positions, lengths.tolist(), lead,
+                                               {}, torch.where(idx >= 0, new_cols, torch.full_like(idx, -1)))]
+            spent = clock() - t
+            accounted += spent
+            for target in lane.targets:
+                target.own["scoring_s"] += stats_s
+                target.own["selection_s"] += spent - stats_s - rerun_s
+
+    # ---------------------------------------------------------------- logits, per stream
+    finals: dict[int, tuple] = {}
+    for lane in (lane for lane in lanes if lane.states is None):
+        st = lane.stream
+        if id(st) not in finals:
             t = clock()
-            target.cache.fill(i, k, v, pos, idx)
-            own["cache_fill_s"] += clock() - t
-        t = clock()
+            kept = torch.where(st.pos >= 0, st.cols, torch.full_like(st.cols, -1))
+            finals[id(st)] = (model.logits(st.h[:, -1]), st.pos.max(dim=1, keepdim=True).values + 1, kept,
+                              clock() - t)
+            accounted += finals[id(st)][3]
+        logits, next_positions, kept, spent = finals[id(st)]
+        for target in lane.targets:
+            target.other_s += spent
+        lane.states = [CompressedState(target.cache, logits, next_positions, lengths.tolist(), target.method, {}, kept)
+                       for target in lane.targets]
 
-        sal, ent = window_sal.get(getattr(lead, "window", None), (None, None))
-        stats_s = 0.0  # pivot statistics: counted as scoring, not selection
-        keep_rows = None  # per-row token counts to keep after this layer (None: no propagation)
-        if i == tsp_layer:
-            score = _pooled(sal, lead).sum(1)  # (B, n)
-            keep_rows = tsp_keep
-            pivots = [i] * B
-        if tracker is not None and centrality_open and i in scored:
-            w = lead.window
-            s = _pooled(sal, lead).sum(1) / w  # (B, n), S^(l); the window is forced in, never ranked
-            tracker.update(s, cols, layer=i)
-            if detector is not None:
-                t_s = clock()
-                n_vis = ((pos[:, None, :] >= 0) & (pos[:, None, :] <= pos[:, n - w:, None])).sum(-1)  # (B, w)
-                stats = PivotDetector.statistics(sal, ent, n_vis, valid, detector.topk_ratio)
-                fired = detector.observe(i, stats)
-                stats_s = clock() - t_s
-                timers["scoring_s"] += stats_s
-            else:
-                fired = [i == fixed_pivot] * B
-            if any(fired):
-                score = tracker.current(cols)
-                keep_rows = [struct_keep[b] if fired[b] else n for b in range(B)]
-                pivots = [i if fired[b] else pivots[b] for b in range(B)]
-        if keep_rows is not None:
-            idx = pruner.select(score, valid, keep_rows)  # (B, K)
-            h, cols, pos = pruner.gather(idx, h, cols, positions=pos)
-            rope = model.rope_tables(pos)
-        timers["selection_s"] += clock() - t - stats_s
-
-        if i == gem_layer:  # GemFilter: pick tokens, renumber, restart the whole model on them
-            t = clock()
-            score = _gemfilter_scores(q, k, valid, lead.kernel)
-            idx = SkeletonPruner(0, positions="compact").select(score, valid, gem_keep)
-            new_cols = gather_tokens(cols, idx)
-            new_tokens = torch.where(idx >= 0, tokens.gather(1, new_cols), torch.zeros_like(new_cols))
-            new_pos = torch.where(idx >= 0, (idx >= 0).long().cumsum(1) - 1, torch.full_like(idx, -1))
-            timers["selection_s"] += clock() - t
-            rerun = compress(model, new_tokens, new_pos, Full(), room, compile=compile)
-            stats = _stats(model, lead, lengths, processed + rerun.stats["tokens_per_layer"], rerun.cache,
-                           [gem_layer] * B, None, timers, clock() - t0, syncs=1)
-            return [CompressedState(rerun.cache, rerun.logits, rerun.next_positions, lengths.tolist(), lead, stats,
-                                    torch.where(idx >= 0, new_cols, torch.full_like(idx, -1)))]
-
-    logits = model.logits(h[:, -1])
-    next_positions = pos.max(dim=1, keepdim=True).values + 1  # (B, 1)
-    syncs = (detector.host_syncs if detector else 0) + (1 if tsp_layer is not None or fixed_pivot is not None else 0)
-    kept = torch.where(pos >= 0, cols, torch.full_like(cols, -1))
     elapsed = clock() - t0
-    own_total = [sum(t.own.values()) for t in targets]
-    states = []
-    for j, target in enumerate(targets):
-        mine = {k: timers[k] + target.own[k] for k in timers}
-        alone = elapsed - (sum(own_total) - own_total[j])  # the pass without the other methods' own work
-        stats = _stats(model, target.method, lengths, processed, target.cache, pivots, detector, mine, alone, syncs)
-        if len(targets) > 1:
-            stats["shared_prefill"] = {"methods": len(targets), "pass_s": elapsed}
-        if tracker is not None:
-            stats["centrality_layers"] = tracker.layers
-        states.append(CompressedState(target.cache, logits, next_positions, lengths.tolist(), target.method, stats,
-                                      kept))
-    return states
+    overhead = max(elapsed - accounted, 0.0)
+    by_target = {}
+    for lane in lanes:
+        for target, state in zip(lane.targets, lane.states):
+            alone = target.other_s + sum(target.own.values()) + overhead
+            state.stats = _stats(model, target.method, lengths, lane.processed, target.cache, lane.pivots,
+                                 lane.detector, target.own, alone, lane.syncs())
+            if len(targets) > 1:
+                state.stats["shared_prefill"] = {"methods": len(targets), "lanes": len(lanes), "pass_s": elapsed,
+                                                 "untimed_s": overhead}
+            if lane.tracker is not None:
+                state.stats["centrality_layers"] = lane.tracker.layers
+            by_target[id(target)] = state
+    return [by_target[id(target)] for target in targets]
 
 
 def _stats(model, method, lengths, processed, cache, pivots, detector, timers, prefill_s, syncs) -> dict:

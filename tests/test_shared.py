@@ -21,7 +21,7 @@ def models(tiny_dir):
 
 
 def _groups():
-    """Method groups that share a prefill, as the eval runner forms them."""
+    """Method groups with one prefill key each (one lane)."""
     return [
         [methods.get("full"), methods.get("streaming_llm", kv_budget=0.3), methods.get("snapkv", kv_budget=0.2),
          methods.get("pyramidkv", kv_budget=0.2), methods.get("h2o", kv_budget=0.2),
@@ -37,6 +37,10 @@ def _same_state(shared, alone):
     assert shared.stats["method"] == alone.stats["method"]
     assert shared.stats["tokens_per_layer"] == alone.stats["tokens_per_layer"]
     assert shared.stats["kv_bytes_per_layer"] == alone.stats["kv_bytes_per_layer"]
+    for key in ("pivot_layer", "prefill_fraction", "host_syncs", "centrality_layers"):
+        assert shared.stats.get(key) == alone.stats.get(key), key
+    if shared.kept_columns is not None or alone.kept_columns is not None:
+        assert torch.equal(shared.kept_columns, alone.kept_columns)
     torch.testing.assert_close(shared.logits, alone.logits, rtol=0, atol=1e-5)
     assert torch.equal(shared.next_positions, alone.next_positions)
     for a, b in zip(shared.cache.layers, alone.cache.layers):
@@ -56,6 +60,21 @@ def test_shared_prefill_equals_each_method_alone(arch, models):
             assert state.method is method
             _same_state(state, compress(model, tokens, positions, method, room=16))
             assert state.stats["prefill_s"] <= state.stats.get("shared_prefill", {}).get("pass_s", 1e9)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_one_prefill_for_every_method_equals_each_alone(arch, models):
+    """All lanes in one pass: they share the layers before each one's propagation, then fork."""
+    model = models[arch]
+    tokens, positions, _ = encode_batch(model, [_ids(70, 1), _ids(55, 2)])
+    group = [m for g in _groups() for m in g]
+    states = compress_shared(model, tokens, positions, group, room=16)
+    for method, state in zip(group, states):
+        assert state.method is method
+        _same_state(state, compress(model, tokens, positions, method, room=16))
+        shared = state.stats["shared_prefill"]
+        assert shared["methods"] == len(group) and shared["lanes"] == len(_groups())
+        assert 0 < state.stats["prefill_s"] <= shared["pass_s"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
@@ -98,15 +117,16 @@ def test_stacking_a_short_sliding_layer_into_rings(models):
 
 
 @settings(max_examples=8, deadline=None)
-@given(budgets=st.lists(st.sampled_from([0.15, 0.25, 0.5, 1.0]), min_size=1, max_size=3),
-       names=st.lists(st.sampled_from(["streaming_llm", "snapkv", "pyramidkv", "h2o"]), min_size=1, max_size=3),
+@given(budgets=st.lists(st.sampled_from([0.15, 0.25, 0.5, 1.0]), min_size=1, max_size=4),
+       names=st.lists(st.sampled_from(["full", "streaming_llm", "snapkv", "pyramidkv", "h2o", "fastkv", "structkv",
+                                       "gemfilter"]), min_size=1, max_size=4),
        n=st.integers(60, 90), seed=st.integers(0, 1000))
-def test_any_group_of_posthoc_methods_shares_exactly(budgets, names, n, seed, models):
-    """Property: whatever the mix of full-prefill methods and budgets, each shared state is its own
-    `compress` (same kept entries, same logits)."""
+def test_any_mix_of_methods_shares_exactly(budgets, names, n, seed, models):
+    """Property: whatever the mix of methods and budgets, each shared state is its own `compress`
+    (same kept entries, propagated tokens, pivots and logits)."""
     model = models["llama"]
     tokens, positions, _ = encode_batch(model, [_ids(n, seed)])
-    group = [methods.get(name, kv_budget=b) for name, b in zip(names, budgets)]
+    group = [methods.get(name) if name == "full" else methods.get(name, kv_budget=b) for name, b in zip(names, budgets)]
     for method, state in zip(group, compress_shared(model, tokens, positions, group, room=8)):
         _same_state(state, compress(model, tokens, positions, method, room=8))
 
@@ -114,10 +134,8 @@ def test_any_group_of_posthoc_methods_shares_exactly(budgets, names, n, seed, mo
 def test_bad_input(models):
     model = models["llama"]
     tokens, positions, _ = encode_batch(model, [_ids(60)])
-    with pytest.raises(ValueError, match="do not share a prefill"):
-        compress_shared(model, tokens, positions, [methods.get("snapkv"), methods.get("structkv")])
-    with pytest.raises(ValueError, match="do not share a prefill"):
-        compress_shared(model, tokens, positions, [methods.get("gemfilter"), methods.get("gemfilter")])
+    with pytest.raises(ValueError, match="below the observation window"):  # the plan checks every method
+        compress_shared(model, tokens, positions, [methods.get("full"), methods.get("snapkv", kv_budget=0.1)])
     with pytest.raises(ValueError, match="at least one method"):
         compress_shared(model, tokens, positions, [])
     state = compress(model, tokens, positions, methods.get("snapkv", kv_budget=0.2), room=4)

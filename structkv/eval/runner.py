@@ -348,20 +348,13 @@ def _cap(cfg: EvalConfig, sample: dict) -> int:
 
 
 def _run_shared(model, input_ids: list[int], methods: list, max_new_tokens: int, compile) -> list:
-    """Every method on one prompt: one prefill per group of methods sharing a prefill key, then one
-    stacked decode of all their states. Results in the order of `methods`."""
+    """Every method on one prompt: one prefill pass (methods share the layers before their
+    propagation), then one stacked decode of all their states. Results in the order of `methods`."""
     from ..generation import encode_batch, generate_states
     from ..prefill import compress_shared
 
     tokens, positions, _ = encode_batch(model, [input_ids])
-    groups: dict[tuple, list[int]] = {}
-    for j, method in enumerate(methods):
-        groups.setdefault(method.prefill_key(), []).append(j)
-    states = [None] * len(methods)
-    for members in groups.values():
-        for j, state in zip(members, compress_shared(model, tokens, positions, [methods[j] for j in members],
-                                                     room=max_new_tokens, compile=compile)):
-            states[j] = state
+    states = compress_shared(model, tokens, positions, methods, room=max_new_tokens, compile=compile)
     return generate_states(model, states, max_new_tokens=max_new_tokens, compile=compile)
 
 

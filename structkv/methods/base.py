@@ -90,9 +90,9 @@ class Method:
         return base
 
     def prefill_key(self) -> tuple:
-        """Methods with equal keys compute the same hidden states during prefill (they differ only
-        in what each layer's cache keeps), so one prefill pass can serve them all
-        (`structkv.prefill.compress_shared`). Methods that keep every token to the last layer share ("all",)."""
+        """Methods with equal keys compute the same hidden states to the last layer (they differ only
+        in what each layer's cache keeps): one lane of `structkv.prefill.compress_shared`. Methods
+        that keep every token to the last layer share ("all",)."""
         return ("all",)
 
     def describe(self) -> dict:
