@@ -150,3 +150,15 @@ def test_resuming_with_other_settings_is_refused(byte_model_dir, tmp_path, capsy
     assert main(base) == 0
     assert main([*base, "--seed", "3"]) == 2
     assert "other settings" in capsys.readouterr().err
+
+
+def test_progress_estimates_time_left_from_computed_steps_only(capsys, monkeypatch):
+    """Resumed runs skip finished steps in no time; they must not shrink the estimate."""
+    clock = iter([0.0, 60.0, 60.0, 120.0])  # start, then one reading per step
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: next(clock))
+    bar = runner.Progress(total=4, todo=2)
+    bar.step("a", skipped=True)
+    bar.step("b")  # one computed step in 60 s, one to go
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert "(done before)" in lines[0] and lines[0].endswith("...")
+    assert lines[1].endswith("1.0 min, ~1.0 min left")

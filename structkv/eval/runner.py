@@ -214,20 +214,24 @@ def _open_output(cfg: EvalConfig, out: Path) -> dict[str, dict]:
 class Progress:
     """A one-line progress bar on stderr (a line per step when stderr is not a terminal)."""
 
-    def __init__(self, total: int, enabled: bool = True):
-        self.total, self.count, self.enabled, self.t0 = total, 0, enabled, time.perf_counter()
+    def __init__(self, total: int, todo: int | None = None, enabled: bool = True):
+        """`todo`: the steps that compute (the others were done before); the time left is
+        estimated from those alone."""
+        self.total, self.todo, self.enabled, self.t0 = total, total if todo is None else todo, enabled, time.perf_counter()
+        self.count = self.computed = 0
         self.tty = sys.stderr.isatty()
 
     def step(self, what: str, skipped: bool = False) -> None:
         self.count += 1
+        self.computed += not skipped
         if not self.enabled:
             return
         elapsed = time.perf_counter() - self.t0
-        eta = elapsed / self.count * (self.total - self.count)
+        left = f"~{elapsed / self.computed * (self.todo - self.computed) / 60:.1f} min left" if self.computed else "..."
         width = 24
         bar = "#" * int(width * self.count / self.total)
         line = (f"[{bar:<{width}}] {self.count}/{self.total} {what}{' (done before)' if skipped else ''} "
-                f"{elapsed / 60:.1f} min, ~{eta / 60:.1f} min left")
+                f"{elapsed / 60:.1f} min, {left}")
         print(("\r" + line[:160].ljust(160)) if self.tty else line, end="" if self.tty else "\n",
               file=sys.stderr, flush=True)
 
@@ -250,7 +254,8 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
     done = _open_output(cfg, out)
     samples = build_samples(cfg, model.tokenizer)
     runs = method_runs(cfg)
-    bar = Progress(len(runs) * len(samples), progress)
+    todo = sum(sample_key(label, sample) not in done for label, _, _ in runs for sample in samples)
+    bar = Progress(len(runs) * len(samples), todo, progress)
     with (out / "predictions.jsonl").open("a") as sink:
         def file(label, name, budget, sample, result, graphs, **extra):
             s = result.stats
