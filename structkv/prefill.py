@@ -75,6 +75,21 @@ def _kv_scores(method: Method, raw: torch.Tensor | None, pos, valid) -> torch.Te
     return scores
 
 
+def received_attention(q, k, pos, scale: float, block: int = H2O_QUERY_BLOCK) -> torch.Tensor:
+    """H2O's score: the attention each key receives from every prompt query, summed over the
+    query heads of its KV group: (B, Hkv, n) from q (B, Hq, n, D), k (B, Hkv, n, D), pos (B, n).
+    Queries go in blocks; columns are in position order, so block s..e-1 only reads keys < e
+    (half the work of scoring every block against every key)."""
+    n = k.shape[2]
+    out = torch.zeros(k.shape[0], k.shape[1], n, device=k.device)
+    for s in range(0, n, block):
+        e = min(s + block, n)
+        part, _ = window_scores(q[:, :, s:e], k[:, :, :e], pos[:, s:e].contiguous(), pos[:, :e].contiguous(),
+                                scale=scale)
+        out[:, :, :e] += part * (e - s)  # window_scores averages over the block's queries
+    return out
+
+
 def _gemfilter_scores(q, k, valid, kernel: int) -> torch.Tensor:
     """Raw (unscaled, no softmax) last-query logits summed over heads, avg-pooled: (B, n)."""
     B, Hq, _, D = q.shape
@@ -279,11 +294,7 @@ def compress_shared(model, tokens: torch.Tensor, positions: torch.Tensor, method
                 q, k, _ = st.qkv
                 n = k.shape[2]
                 if what == "h2o":
-                    out = torch.zeros(B, k.shape[1], n, device=k.device)
-                    for s in range(0, n, H2O_QUERY_BLOCK):
-                        blk = slice(s, min(s + H2O_QUERY_BLOCK, n))
-                        part, _ = window_scores(q[:, :, blk], k, st.pos[:, blk].contiguous(), st.pos, scale=cfg.scale)
-                        out += part * (blk.stop - blk.start)
+                    out = received_attention(q, k, st.pos, cfg.scale)
                 else:
                     out = window_scores(q[:, :, n - what:], k, st.pos[:, n - what:].contiguous(), st.pos,
                                         scale=cfg.scale)

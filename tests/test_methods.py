@@ -330,3 +330,21 @@ def test_shared_selection_is_the_same_for_every_head(llama):
     for shared_layer, head_layer in zip(state.cache.layers, per_head.cache.layers):
         assert (shared_layer.pos == shared_layer.pos[:, :1]).all()
     assert any(not (layer.pos == layer.pos[:, :1]).all() for layer in per_head.cache.layers)
+
+
+@pytest.mark.parametrize("block", [16, 1024])
+def test_h2o_received_attention_equals_the_definition(block):
+    """Causal query blocks read only the keys before their end; the sum equals the full softmax
+    (every query against every key, masked) summed over queries and group heads."""
+    from structkv.ops.saliency import window_scores_naive
+    from structkv.prefill import received_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, n, D = 2, 4, 2, 70, 8
+    q, k = torch.randn(B, Hq, n, D, generator=g), torch.randn(B, Hkv, n, D, generator=g)
+    pos = torch.arange(n).expand(B, n).clone()
+    pos[1, :9] = -1  # left padding
+    pos[1, 9:] -= 9
+    mine = received_attention(q, k, pos, 0.35, block=block)
+    ref = window_scores_naive(q, k, pos, pos, 0.35)[0] * n  # mean over the n queries -> sum
+    torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
