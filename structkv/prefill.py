@@ -140,7 +140,7 @@ class _Lane:
 
     def __init__(self, model, targets: list[_Target], stream: _Stream, lengths: torch.Tensor, S: int):
         cfg, B = model.config, len(lengths)
-        scored = cfg.full_attention_layers
+        scored = self.scored = cfg.full_attention_layers
         lead = self.lead = targets[0].method
         self.targets, self.stream = targets, stream
         self.processed: list[int] = []  # tokens computed per layer
@@ -168,12 +168,12 @@ class _Lane:
             self.keep = budget_tokens(lead.kv_budget, lengths, "gemfilter kv_budget")
         self.pruner = SkeletonPruner(getattr(lead, "window", 0))
 
-    def needs_window(self, layer: int, scored: list[int]) -> bool:
+    def needs_window(self, layer: int) -> bool:
         """Does the propagation rule read the window scores of this layer?"""
         open_ = self.tracker is not None and any(p is None for p in self.pivots)
-        return self.lead.needs_scores and layer in scored and (open_ or layer == self.tsp_layer)
+        return self.lead.needs_scores and layer in self.scored and (open_ or layer == self.tsp_layer)
 
-    def propagate(self, layer: int, scored: list[int], sal, ent) -> float:
+    def propagate(self, model, layer: int, sal, ent) -> float:
         """FastKV's TSP or StructKV's skeleton after `layer`: a new stream of the kept tokens.
         Returns the seconds spent on pivot statistics (scoring, not selection)."""
         st, lead, B = self.stream, self.lead, len(self.pivots)
@@ -182,7 +182,7 @@ class _Lane:
         if layer == self.tsp_layer:
             score = _pooled(sal, lead).sum(1)  # (B, n)
             keep_rows, self.pivots = self.keep, [layer] * B
-        if self.tracker is not None and any(p is None for p in self.pivots) and layer in scored:
+        if self.tracker is not None and any(p is None for p in self.pivots) and layer in self.scored:
             w = lead.window
             self.tracker.update(_pooled(sal, lead).sum(1) / w, st.cols, layer=layer)  # S^(l); window forced, not ranked
             if self.detector is not None:
@@ -200,7 +200,7 @@ class _Lane:
         if keep_rows is not None:
             idx = self.pruner.select(score, valid, keep_rows)  # (B, K)
             h, cols, pos = self.pruner.gather(idx, st.h, st.cols, positions=st.pos)
-            self.stream = _Stream(h, pos, cols, None)  # rope set by the caller (needs the model)
+            self.stream = _Stream(h, pos, cols, model.rope_tables(pos))
         return stats_s
 
     def syncs(self) -> int:
@@ -307,7 +307,7 @@ def compress_shared(model, tokens: torch.Tensor, positions: torch.Tensor, method
             q, k, v = st.qkv
             valid = st.pos >= 0
             lane.processed.append(int(valid.sum()))
-            lane_needs = {(id(st), lead.window)} if lane.needs_window(i, scored) else set()
+            lane_needs = {(id(st), lead.window)} if lane.needs_window(i) else set()
             sal, ent = scores(st, lead.window) if lane_needs else (None, None)
             for target in lane.targets:  # each method's own cache
                 m, own = target.method, target.own
@@ -335,9 +335,7 @@ def compress_shared(model, tokens: torch.Tensor, positions: torch.Tensor, method
                     accounted += spent
 
             t = clock()
-            stats_s, rerun_s = lane.propagate(i, scored, sal, ent), 0.0
-            if lane.stream is not st:
-                lane.stream.rope = model.rope_tables(lane.stream.pos)
+            stats_s, rerun_s = lane.propagate(model, i, sal, ent), 0.0
             if i == lane.gem_layer:  # GemFilter: pick tokens, renumber, restart the whole model on them
                 score = _gemfilter_scores(q, k, valid, lead.kernel)
                 idx = SkeletonPruner(0, positions="compact").select(score, valid, lane.keep)
