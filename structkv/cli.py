@@ -147,7 +147,9 @@ def main(argv=None) -> int:
     e.add_argument("--struct-budget", type=float, default=0.2, help="R_struct (FastKV: its TSP rate)")
     e.add_argument("--lengths", type=_csv(int), default=[4096], help="prompt budgets in tokens")
     e.add_argument("--tasks", type=_csv(str), default=None, help="default: every task of the benchmark")
-    e.add_argument("--samples", type=int, default=10, help="samples per task (and per depth for niah)")
+    e.add_argument("--samples", type=int, default=None,
+                   help="samples per task (and per depth for niah); default: 10 for ruler and niah, every "
+                        "record of each LongBench task")
     e.add_argument("--depths", type=_csv(float), default=[0.0, 0.25, 0.5, 0.75, 1.0], help="niah needle depths")
     e.add_argument("--max-new-tokens", type=int, default=None, help="cap on each task's generation length")
     e.add_argument("--window", type=int, default=None, help="observation window of the scoring methods")

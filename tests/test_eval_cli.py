@@ -162,3 +162,20 @@ def test_progress_estimates_time_left_from_computed_steps_only(capsys, monkeypat
     lines = capsys.readouterr().err.strip().splitlines()
     assert "(done before)" in lines[0] and lines[0].endswith("...")
     assert lines[1].endswith("1.0 min, ~1.0 min left")
+
+
+def test_longbench_runs_every_record_by_default_and_a_short_task_is_not_partial(byte_model_dir, tmp_path):
+    """No --samples: every record of each task (passage_count has 4 in the subset); a task with
+    fewer records than --samples is complete, not 'not all scored yet'."""
+    out = tmp_path / "lb"
+    args = ["eval", "longbench", "--model", str(byte_model_dir), "--out", str(out), "--methods", "full",
+            "--tasks", "passage_count", "--lengths", "600", "--max-new-tokens", "2", "--eager", "--quiet"]
+    assert main(args) == 0
+    assert len(_lines(out / "predictions.jsonl")) == 4
+    heading = (out / "summary.md").read_text().splitlines()[0]
+    assert "every record per task" in heading and "not all scored" not in heading
+    assert main(args + ["--samples", "10", "--report"]) == 0
+    heading = (out / "summary.md").read_text().splitlines()[0]
+    assert "up to 10 record(s) per task" in heading and "not all scored" not in heading
+    assert main(args + ["--samples", "2", "--report"]) == 0  # fewer asked: a complete table of 2
+    assert "| 2 |" in (out / "summary.md").read_text()

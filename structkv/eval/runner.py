@@ -23,6 +23,7 @@ from . import metrics
 
 BENCHMARKS = ("ruler", "longbench", "niah")
 # Settings that define what a result means: a folder cannot mix runs that differ in these.
+DEFAULT_SAMPLES = 10  # generated samples per task (RULER, niah) when not given
 IDENTITY = ("benchmark", "model", "seed", "struct_budget", "max_new_tokens", "window", "longbench_full")
 
 
@@ -35,7 +36,7 @@ class EvalConfig:
     struct_budget: float = 0.2
     lengths: list[int] = field(default_factory=lambda: [4096])
     tasks: list[str] | None = None  # None: every task of the benchmark
-    samples: int = 10
+    samples: int | None = None  # per task; None: 10 generated (RULER, niah), every record (LongBench)
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])  # niah only
     seed: int = 42
     max_new_tokens: int | None = None  # cap on each task's own generation length
@@ -62,7 +63,7 @@ class EvalConfig:
                 raise ValueError(f"KV budgets are ratios in (0, 1], got {b}")
         if not 0 < self.struct_budget <= 1:
             raise ValueError(f"the structural budget is a ratio in (0, 1], got {self.struct_budget}")
-        if self.samples < 1:
+        if self.samples is not None and self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         for d in self.depths:
             if not 0 <= d <= 1:
@@ -76,6 +77,19 @@ class EvalConfig:
             for n in self.lengths:
                 if n > limit:
                     raise ValueError(f"length {n} exceeds the model's {limit} positions; use lengths <= {limit}")
+
+    def task_samples(self, task: str) -> int:
+        """Samples the run asks of `task` (per length; niah: per depth): LongBench has only its
+        file's records."""
+        if self.benchmark != "longbench":
+            return self.samples or DEFAULT_SAMPLES
+        from .longbench import task_file
+        try:
+            with task_file(task, self.data_dir, not self.longbench_full).open() as f:
+                records = sum(1 for line in f if line.strip())
+        except FileNotFoundError:  # e.g. --report away from the data: the asked count is all we know
+            return self.samples or DEFAULT_SAMPLES
+        return min(records, self.samples or records)
 
     def all_tasks(self) -> list[str]:
         if self.benchmark == "ruler":
@@ -114,7 +128,8 @@ def build_samples(cfg: EvalConfig, tokenizer) -> list[dict]:
         if cfg.benchmark == "ruler":
             from .ruler import generate
             for task in tasks:
-                for rec in generate(task, tokenizer, length, cfg.samples, seed=cfg.seed, data_dir=cfg.data_dir):
+                for rec in generate(task, tokenizer, length, cfg.task_samples(task), seed=cfg.seed,
+                                    data_dir=cfg.data_dir):
                     rec["input_ids"] = tokenizer.encode(rec.pop("input"))
                     out.append({**rec, "length_budget": length})
         elif cfg.benchmark == "longbench":
@@ -126,7 +141,7 @@ def build_samples(cfg: EvalConfig, tokenizer) -> list[dict]:
         else:
             from ..data import needle_prompt
             for depth in cfg.depths:
-                for index in range(cfg.samples):
+                for index in range(cfg.task_samples("niah")):
                     needle = needle_prompt(tokenizer, length - 16, depth, seed=cfg.seed + index, root=cfg.data_dir)
                     out.append({"index": index, "task": "niah", "depth": depth, "input_ids": needle.prompt_ids,
                                 "outputs": [needle.answer], "length": len(needle.prompt_ids), "max_new_tokens": 12,
@@ -324,7 +339,7 @@ def _wanted(cfg: EvalConfig) -> set[str]:
     return {sample_key(label, {"length_budget": n, "task": task, "index": i,
                                **({"depth": d} if d is not None else {})})
             for label, _, _ in method_runs(cfg) for n in cfg.lengths for task in (cfg.tasks or cfg.all_tasks())
-            for d in depths for i in range(cfg.samples)}
+            for d in depths for i in range(cfg.task_samples(task))}
 
 
 def _report(cfg: EvalConfig, out: Path, done: dict[str, dict]) -> dict:
@@ -420,12 +435,15 @@ def summary_markdown(result: dict, cfg: EvalConfig | None = None) -> str:
     head = ["method", "R_KV", "length", *tasks, "avg", "samples", "prefill s", "prefill frac", "KV MiB", "decode tok/s"]
     lines = []
     if cfg is not None:
-        counts = {n for r in rows for n in r["n"].values()}
         asked = set(cfg.tasks or cfg.all_tasks())
-        partial = " (not all scored yet: see the samples column)" if counts != {cfg.samples} or any(
-            set(r["tasks"]) != asked for r in rows) else ""
-        lines.append(f"# {cfg.benchmark} on {cfg.model}: {cfg.samples} sample(s) per task{partial}, "
-                     f"R_struct {cfg.struct_budget}\n")
+        per_task = {t: cfg.task_samples(t) * (len(cfg.depths) if cfg.benchmark == "niah" else 1) for t in asked}
+        partial = " (not all scored yet: see the samples column)" if any(
+            r["n"] != per_task for r in rows) else ""
+        if cfg.benchmark == "longbench":
+            what = f"up to {cfg.samples} record(s)" if cfg.samples else "every record"
+        else:
+            what = f"{cfg.samples or DEFAULT_SAMPLES} sample(s)"
+        lines.append(f"# {cfg.benchmark} on {cfg.model}: {what} per task{partial}, R_struct {cfg.struct_budget}\n")
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["method"], "-" if r["kv_budget"] is None else f"{r['kv_budget']:g}", str(r["length"])]
