@@ -168,10 +168,14 @@ class _Lane:
             self.keep = budget_tokens(lead.kv_budget, lengths, "gemfilter kv_budget")
         self.pruner = SkeletonPruner(getattr(lead, "window", 0))
 
+    def centrality_open(self) -> bool:
+        """StructKV rows whose pivot has not fired yet still accumulate centrality."""
+        return self.tracker is not None and any(p is None for p in self.pivots)
+
     def needs_window(self, layer: int) -> bool:
         """Does the propagation rule read the window scores of this layer?"""
-        open_ = self.tracker is not None and any(p is None for p in self.pivots)
-        return self.lead.needs_scores and layer in self.scored and (open_ or layer == self.tsp_layer)
+        return (self.lead.needs_scores and layer in self.scored
+                and (self.centrality_open() or layer == self.tsp_layer))
 
     def propagate(self, model, layer: int, sal, ent) -> float:
         """FastKV's TSP or StructKV's skeleton after `layer`: a new stream of the kept tokens.
@@ -182,7 +186,7 @@ class _Lane:
         if layer == self.tsp_layer:
             score = _pooled(sal, lead).sum(1)  # (B, n)
             keep_rows, self.pivots = self.keep, [layer] * B
-        if self.tracker is not None and any(p is None for p in self.pivots) and layer in self.scored:
+        if self.centrality_open() and layer in self.scored:
             w = lead.window
             self.tracker.update(_pooled(sal, lead).sum(1) / w, st.cols, layer=layer)  # S^(l); window forced, not ranked
             if self.detector is not None:

@@ -269,8 +269,8 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
     done = _open_output(cfg, out)
     samples = build_samples(cfg, model.tokenizer)
     runs = method_runs(cfg)
-    todo = sum(sample_key(label, sample) not in done for label, _, _ in runs for sample in samples)
-    bar = Progress(len(runs) * len(samples), todo, progress)
+    to_compute = sum(sample_key(label, sample) not in done for label, _, _ in runs for sample in samples)
+    bar = Progress(len(runs) * len(samples), to_compute, progress)
     with (out / "predictions.jsonl").open("a") as sink:
         def file(label, name, budget, sample, result, graphs, **extra):
             s = result.stats
@@ -336,10 +336,11 @@ def report(cfg: EvalConfig, out: str | os.PathLike) -> dict:
 def _wanted(cfg: EvalConfig) -> set[str]:
     """The keys of every prediction the run asks for (a task may hold fewer samples than asked)."""
     depths = cfg.depths if cfg.benchmark == "niah" else [None]
+    per_task = {task: cfg.task_samples(task) for task in (cfg.tasks or cfg.all_tasks())}  # one file read per task
     return {sample_key(label, {"length_budget": n, "task": task, "index": i,
                                **({"depth": d} if d is not None else {})})
-            for label, _, _ in method_runs(cfg) for n in cfg.lengths for task in (cfg.tasks or cfg.all_tasks())
-            for d in depths for i in range(cfg.task_samples(task))}
+            for label, _, _ in method_runs(cfg) for n in cfg.lengths for task, count in per_task.items()
+            for d in depths for i in range(count)}
 
 
 def _report(cfg: EvalConfig, out: Path, done: dict[str, dict]) -> dict:
