@@ -3,7 +3,6 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch is taken first so no dependency pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
-export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
 
 .PHONY: venv demo test test-triton bench clean
 

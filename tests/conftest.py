@@ -7,6 +7,11 @@ import pytest
 import torch
 from hypothesis import settings
 
+# Compiled graphs go where the library puts them by default (the user cache), fixed for the whole
+# session so a test that points STRUCTKV_CACHE elsewhere does not move them.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    os.environ.get("STRUCTKV_CACHE") or os.path.expanduser("~/.cache/structkv"), "inductor"))
+
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=50, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

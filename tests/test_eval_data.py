@@ -1,12 +1,12 @@
 """RULER generator (determinism, sizing, format against RULER's own output) and LongBench loading."""
 import json
 import re
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from structkv.data import data_dir
 from structkv.eval import longbench, ruler
 from structkv.eval.text import split_sentences
 from structkv.tokenizer import Tokenizer
@@ -64,7 +64,7 @@ def test_generation_is_deterministic_and_seeded(tok):
 
 def test_niah_multikey_3_matches_rulers_reference_file(tok):
     """Same template text, needle lines, question and answer placement as RULER's own 4096 output."""
-    path = data_dir() / "ruler" / "reference_sample" / "niah_multikey_3_4096.jsonl"
+    path = Path(__file__).parent / "data" / "ruler_niah_multikey_3_4096_first.jsonl"  # see data/SOURCES.md
     reference = json.loads(path.open().readline())
     ours = ruler.generate("niah_multikey_3", tok, 4096, 1)[0]
     assert set(reference) <= set(ours)
@@ -124,8 +124,54 @@ def test_longbench_middle_truncation_keeps_head_and_tail(tok):
     assert cut["input_ids"] == full[:500] + full[-500:]
 
 
-def test_longbench_full_file_and_bad_input(tok, tmp_path):
-    assert len(longbench.load("multi_news", tok, 4096, subset=False, samples=3)) == 3  # the full 200-record file
+def test_longbench_full_file_from_the_hub_archive(tok, tmp_path, monkeypatch):
+    """The full task file is extracted once from LongBench's data.zip (here a local stand-in for the
+    Hub download) into the cache; later loads need no archive."""
+    import zipfile
+
+    monkeypatch.setenv("STRUCTKV_CACHE", str(tmp_path / "cache"))
+    rows = [line for line in longbench.task_file("multi_news").open()]
+    archive = tmp_path / "data.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("data/multi_news.jsonl", "".join(rows))
+        z.writestr("data/multi_news_e.jsonl", rows[0])
+    calls = []
+    monkeypatch.setattr(longbench, "hub_file", lambda *a, **k: calls.append(a) or archive)
+    assert len(longbench.load("multi_news", tok, 4096, subset=False, samples=3)) == 3
+    assert longbench.task_file("multi_news", subset=False) == tmp_path / "cache" / "longbench" / "multi_news.jsonl"
+    assert calls == [("THUDM/LongBench", "data.zip")]  # fetched once, then read from the cache
+    assert longbench.task_file("multi_news", subset=False).read_text() == "".join(rows)
+
+
+def test_longbench_full_offline_fails_fast_naming_the_subset(tmp_path, monkeypatch):
+    monkeypatch.setenv("STRUCTKV_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="unreachable.*bundled subset"):
+        longbench.task_file("qasper", subset=False)
+    assert time.monotonic() - start < 10
+
+
+def test_data_override_folder(tok, tmp_path, monkeypatch):
+    """--data / STRUCTKV_DATA replace the fetched and bundled data (a .gz copy also serves)."""
+    import gzip
+    import shutil
+
+    (tmp_path / "ruler").mkdir()
+    essays = {"text": "Alpha beta gamma. " * 4000}
+    with gzip.open(tmp_path / "ruler" / "PaulGrahamEssays.json.gz", "wt") as f:
+        json.dump(essays, f)
+    rec = ruler.generate("niah_single_2", tok, 1024, 1, data_dir=tmp_path)[0]
+    assert "Alpha beta gamma." in rec["input"]
+    shutil.copytree(longbench.BUNDLED, tmp_path / "longbench")
+    monkeypatch.setenv("STRUCTKV_DATA", str(tmp_path))
+    assert longbench.task_file("qasper") == tmp_path / "longbench" / "subset" / "qasper.jsonl"
+    with pytest.raises(FileNotFoundError, match="ruler/squad.json"):
+        ruler.generate("qa_1", tok, 1024, 1)
+
+
+def test_longbench_bad_input(tok, tmp_path):
     with pytest.raises(ValueError, match="unknown LongBench task"):
         longbench.load("nope", tok, 4096)
     with pytest.raises(FileNotFoundError, match="THUDM/LongBench"):

@@ -136,7 +136,7 @@ def test_hub_unreachable_without_offline_flag(monkeypatch, tmp_path):
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path))
-    monkeypatch.setattr(loading, "_hub_reachable", lambda: False)
+    monkeypatch.setattr(loading, "hub_reachable", lambda: False)
     with pytest.raises(ConnectionError, match="unreachable"):
         structkv.models.load("Qwen/Qwen2.5-0.5B")
 

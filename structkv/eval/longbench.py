@@ -2,7 +2,11 @@
 
 A task file is `<dir>/<task>.jsonl` (official LongBench format: context, input, answers,
 all_classes, ...); `dir` is a LongBench folder holding `config/`, the full files and/or a
-`subset/` folder. Prompts use `config/dataset2prompt.json` and generation lengths
+`subset/` folder. By default that folder is the one bundled with the package (config and the
+187-record MiniLongBench subset of the 16 English tasks, `structkv/eval/data/SOURCES.md`), and the
+full task files come from the Hub's THUDM/LongBench `data.zip`, cached under
+`$STRUCTKV_CACHE/longbench`; `--data DIR` / `$STRUCTKV_DATA` replace both with `DIR/longbench`.
+Prompts use `config/dataset2prompt.json` and generation lengths
 `config/dataset2maxlen.json`; prompts longer than the budget are cut in the middle, as
 LongBench's pred.py does (first half + last half of the tokens). Prompts are plain text, as for
 base models: LongBench's chat templates are not applied.
@@ -11,19 +15,29 @@ from __future__ import annotations
 
 import ast
 import json
+import zipfile
 from pathlib import Path
 
 from ..data import data_dir
+from ..fetch import locked, cache_root, hub_file, write_atomic
 from .metrics import LONGBENCH_METRIC
 
 TASKS = list(LONGBENCH_METRIC)
+BUNDLED = Path(__file__).resolve().parent / "data" / "longbench"
+HUB_REPO = "THUDM/LongBench"
+OFFLINE_HINT = ("The bundled subset (187 records over all 16 English tasks) needs no network: run without "
+                "--longbench-full (subset=True). Or put the official <task>.jsonl files and config/ in DIR/longbench/ "
+                "and pass --data DIR.")
 
 
 def longbench_dir(root=None) -> Path:
     """`root` itself when it is a LongBench folder, else `<data dir>/longbench`."""
     if root is not None and (Path(root) / "config" / "dataset2prompt.json").exists():
         return Path(root)
-    path = data_dir(root) / "longbench"
+    folder = data_dir(root)
+    if folder is None:
+        return BUNDLED
+    path = folder / "longbench"
     if not (path / "config" / "dataset2prompt.json").exists():
         raise FileNotFoundError(
             f"LongBench config not found under {path}: expected config/dataset2prompt.json and dataset2maxlen.json "
@@ -36,12 +50,31 @@ def task_file(task: str, root=None, subset: bool = True) -> Path:
     if task not in LONGBENCH_METRIC:
         raise ValueError(f"unknown LongBench task {task!r}; English tasks: {', '.join(TASKS)}")
     base = longbench_dir(root)
+    if base == BUNDLED:
+        return base / "subset" / f"{task}.jsonl" if subset else full_task_file(task)
     candidates = ([base / "subset" / f"{task}.jsonl"] if subset else []) + [base / f"{task}.jsonl"]
     for path in candidates:
         if path.exists():
             return path
     raise FileNotFoundError(f"no data for LongBench task {task!r}: looked for {', '.join(map(str, candidates))}. "
                             "The official files are data.zip of THUDM/LongBench on the Hugging Face Hub")
+
+
+def full_task_file(task: str) -> Path:
+    """The official full `<task>.jsonl` from the Hub's THUDM/LongBench data.zip, extracted once
+    into `$STRUCTKV_CACHE/longbench/` (offline: a ConnectionError naming the bundled subset)."""
+    target = cache_root() / "longbench" / f"{task}.jsonl"
+    if target.exists():
+        return target
+    archive = hub_file(HUB_REPO, "data.zip", repo_type="dataset", offline_hint=OFFLINE_HINT)
+    with locked(target.parent / ".lock"), zipfile.ZipFile(archive) as z:
+        if not target.exists():
+            members = [n for n in z.namelist() if Path(n).name == f"{task}.jsonl"]
+            if not members:
+                raise ValueError(f"{archive} has no {task}.jsonl: not LongBench v1's data.zip")
+            with z.open(min(members, key=len)) as src:  # data/<task>.jsonl
+                write_atomic(src, target)
+    return target
 
 
 def load(task: str, tokenizer, max_length: int, *, root=None, subset: bool = True, samples: int | None = None) -> list[dict]:

