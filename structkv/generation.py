@@ -9,6 +9,8 @@ is never a visible key and every row gets exactly what it would get alone.
 """
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -51,7 +53,15 @@ def compiled(kind: str, backend="inductor"):
     return _COMPILED[key]
 
 
+PROMPT_TYPES = "a str, a list of int token ids, or a 1-D integer tensor or array"
+
+
 def _ids_from_prompt(model, prompt) -> list[int]:
+    if isinstance(prompt, (bytes, bytearray)):
+        raise TypeError("a prompt given as bytes is ambiguous (text or token ids?): pass text as str "
+                        "(prompt.decode('utf-8')) or ids as a list of int")
+    if prompt is None or isinstance(prompt, (bool, numbers.Number)):
+        raise TypeError(f"a prompt must be {PROMPT_TYPES}, got {type(prompt).__name__}")
     if isinstance(prompt, str):
         if model.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass token ids instead of text")
@@ -62,15 +72,21 @@ def _ids_from_prompt(model, prompt) -> list[int]:
         if prompt.device != model.device:
             raise ValueError(f"prompt tensor is on {prompt.device} but the model is on {model.device}; move one of them")
         return prompt.tolist()
-    ids = list(prompt)
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ValueError("a prompt must be a str, a list of int token ids or a 1-D integer tensor")
-    return ids
+    if hasattr(prompt, "dtype") and hasattr(prompt, "ndim"):  # numpy arrays
+        if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+            raise ValueError(f"a token array must be 1-D integer ids, got {prompt.ndim}-D {prompt.dtype}")
+    try:
+        ids = list(prompt)
+    except TypeError:
+        raise TypeError(f"a prompt must be {PROMPT_TYPES}, got {type(prompt).__name__}") from None
+    if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"a prompt must be {PROMPT_TYPES}; this list holds non-integers")
+    return [int(i) for i in ids]
 
 
 def is_batch(prompt) -> bool:
     """A list of prompts (texts or id lists), as opposed to one prompt given as a list of ids."""
-    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], int)
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], numbers.Integral)
 
 
 def encode_batch(model, prompts) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -113,14 +129,27 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: f
 
 
 def _check_sampling(max_new_tokens, temperature, top_k, top_p):
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+
+
+def _method(method):
+    """A Method, a registered name (with its default options), or None."""
+    from .methods import Method, get
+
+    if method is None or isinstance(method, Method):
+        return method
+    if isinstance(method, str):
+        return get(method)
+    raise TypeError(f"method must be a structkv method (structkv.methods.get(name, ...)) or a registered name, "
+                    f"got {type(method).__name__}")
 
 
 @torch.inference_mode()
@@ -139,6 +168,7 @@ def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.
     stats; a list prompt gives lists.
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    method = _method(method)
     if isinstance(prompt, (list, tuple)) and len(prompt) == 0:
         raise ValueError("prompt is empty: give text, token ids or a non-empty list of prompts")
     backend, decode_backend = _backends(model, compile, max_new_tokens)
@@ -157,7 +187,7 @@ def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.
         batched = is_batch(prompt)
         tokens, positions, lengths = encode_batch(model, prompt if batched else [prompt])
         B, S = tokens.shape
-        if max(lengths) + max_new_tokens > limit:
+        if max(lengths) + max_new_tokens - 1 > limit:  # the last new token is never fed back
             raise ValueError(
                 f"prompt of {max(lengths)} tokens + {max_new_tokens} new tokens exceeds the model's "
                 f"{limit} positions; shorten the prompt or ask for fewer tokens"
@@ -243,12 +273,14 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
     if not states:
         raise ValueError("generate_states needs at least one state")
     limit = model.config.max_position_embeddings
+    for state in states:
+        state.check_model(model)
     cache = StackedKVCache([s.cache for s in states])
     if cache.free() < max_new_tokens:
         raise ValueError(f"{max_new_tokens} new tokens exceed the {cache.free()} free cache slots of these states; "
                          "compress with room >= max_new_tokens")
     next_pos = torch.cat([s.next_positions for s in states])  # (R, 1)
-    if int(next_pos.max()) + max_new_tokens > limit:
+    if int(next_pos.max()) + max_new_tokens - 1 > limit:
         raise ValueError(f"prompt + {max_new_tokens} new tokens exceed the model's {limit} positions")
     logits = torch.cat([s.logits for s in states])  # (R, V)
     backend = "inductor" if compile is True else compile
@@ -355,6 +387,15 @@ def _extend_state(model, state, question, max_new_tokens):
         ids = _ids_from_prompt(model, question)
     if not ids:
         raise ValueError("the question is empty: give at least one token")
+    state.check_model(model)
+    bad = [i for i in ids if not 0 <= i < model.config.vocab_size]
+    if bad:
+        raise ValueError(f"the question has token ids outside the vocabulary [0, {model.config.vocab_size}): {bad[:5]}")
+    end = int(state.next_positions.max()) + len(ids) + max_new_tokens - 1
+    if end > model.config.max_position_embeddings:
+        raise ValueError(f"context ({int(state.next_positions.max())} tokens) + question ({len(ids)}) + {max_new_tokens} "
+                         f"new tokens exceed the model's {model.config.max_position_embeddings} positions; "
+                         "ask for fewer tokens or compress a shorter context")
     cache = state.cache.clone()
     B = state.logits.shape[0]
     free = min(layer.capacity - int(layer.cursor) for layer in cache.layers if layer.window is None)

@@ -18,6 +18,7 @@ saliency, centrality and the pivot live on the full-attention layers.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +53,13 @@ class CompressedState:
     method: Method
     stats: dict = field(default_factory=dict)
     kept_columns: torch.Tensor | None = None  # (B, K) prompt columns that reached the last layer, -1 = pad
+    source: object = None  # weakref to the model that made it: a state only makes sense on that model
+
+    def check_model(self, model) -> None:
+        """Refuse to extend this state with a model other than the one that made it."""
+        if self.source is not None and self.source() is not model:
+            raise ValueError("this compressed state was made by another model; call model.prefill(context, method) "
+                             "with the model you generate with")
 
 
 def _pooled(sal: torch.Tensor, method: Method) -> torch.Tensor:
@@ -151,8 +159,7 @@ class _Lane:
                           if isinstance(lead, GemFilter) else None)
         self.tracker = self.detector = self.fixed_pivot = None
         if isinstance(lead, StructKV):
-            self.keep = budget_tokens(lead.r_struct, lengths, "structkv r_struct")
-            lead._check_window(self.keep, lengths, "r_struct")
+            self.keep = lead.fit_window(budget_tokens(lead.r_struct, lengths, "structkv r_struct"), lengths)
             self.tracker = CentralityTracker(lead.decay)
             self.tracker.reset(B, S, device=stream.h.device)
             if lead.pivot == "dynamic":
@@ -162,8 +169,7 @@ class _Lane:
             else:
                 self.fixed_pivot = resolve_layer(lead.pivot, cfg, scored, "pivot")
         if isinstance(lead, FastKV):
-            self.keep = budget_tokens(lead.tsp_rate, lengths, "fastkv tsp_rate")
-            lead._check_window(self.keep, lengths, "tsp_rate")
+            self.keep = lead.fit_window(budget_tokens(lead.tsp_rate, lengths, "fastkv tsp_rate"), lengths)
         if isinstance(lead, GemFilter):
             self.keep = budget_tokens(lead.kv_budget, lengths, "gemfilter kv_budget")
         self.pruner = SkeletonPruner(getattr(lead, "window", 0))
@@ -392,7 +398,10 @@ def compress_shared(model, tokens: torch.Tensor, positions: torch.Tensor, method
             if lane.tracker is not None:
                 state.stats["centrality_layers"] = lane.tracker.layers
             by_target[id(target)] = state
-    return [by_target[id(target)] for target in targets]
+    states = [by_target[id(target)] for target in targets]
+    for state in states:
+        state.source = weakref.ref(model)
+    return states
 
 
 def _stats(model, method, lengths, processed, cache, pivots, detector, timers, prefill_s, syncs) -> dict:

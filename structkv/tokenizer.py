@@ -7,10 +7,11 @@ split of a vocabulary token into two vocabulary pieces is a merge, ranked by the
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers
+
+from .files import read_json_object
 
 # SentencePiece token types as stored in GGUF.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -52,13 +53,16 @@ class Tokenizer:
     def from_file(cls, path: str | Path, *, bos_id=None, eos_ids=(), pad_id=None, add_bos=None) -> "Tokenizer":
         """Load `tokenizer.json`; BOS handling follows `tokenizer_config.json` beside it when present."""
         path = Path(path)
-        tok = HFTokenizer.from_file(str(path))
+        try:
+            tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for any bad file
+            raise ValueError(f"{path} is not a valid tokenizer.json ({e}); re-download it") from None
         if add_bos is not None:  # decided by the caller (e.g. GGUF metadata)
             return cls(tok, bos_id=bos_id, eos_ids=tuple(eos_ids), pad_id=pad_id, add_bos=add_bos)
         add_bos = None
         cfg_path = path.parent / "tokenizer_config.json"
         if cfg_path.exists():
-            tcfg = json.loads(cfg_path.read_text())
+            tcfg = read_json_object(cfg_path)
             add_bos = tcfg.get("add_bos_token")
             bos_tok = tcfg.get("bos_token")
             if isinstance(bos_tok, dict):
@@ -91,6 +95,10 @@ def _sentencepiece_bpe(fields: dict) -> HFTokenizer:
             f"GGUF tokenizer model {kind!r} is not supported; only SentencePiece vocabularies "
             "('llama', as in Gemma 3) can be rebuilt. Use a HF folder with tokenizer.json instead."
         )
+    missing = [k for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+               if k not in fields]
+    if missing:
+        raise ValueError(f"GGUF metadata key {missing[0]!r} is missing (needed to rebuild the tokenizer)")
     tokens: list[str] = fields["tokenizer.ggml.tokens"]
     scores: list[float] = fields["tokenizer.ggml.scores"]
     types: list[int] = fields["tokenizer.ggml.token_type"]

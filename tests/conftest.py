@@ -14,6 +14,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=50, deadline=None)
+settings.register_profile("stress", max_examples=600, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Small enough to compile in seconds, big enough to exercise GQA, sliding windows and RoPE scaling.
@@ -107,4 +108,57 @@ def byte_model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("byte_llama")
     model.save_pretrained(path)
     byte_tokenizer_file(path / "tokenizer.json")
+    return path
+
+
+def write_tiny_gemma_gguf(path, *, seed: int = 0, drop_key: str | None = None):
+    """A 6-layer Gemma 3 GGUF with random F32 weights and a byte-fallback SentencePiece vocabulary,
+    written with the gguf package's writer as llama.cpp lays it out (norms stored as 1 + w)."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    layers, hidden, heads, kv, head_dim, ffn = 6, 32, 2, 1, 16, 48
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + ["▁", "a", "b", "▁a", "ab"]
+    types = [3, 3, 3, 2] + [6] * 256 + [1] * 5
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    keys = {"block_count": layers, "embedding_length": hidden, "feed_forward_length": ffn,
+            "attention.head_count": heads, "attention.head_count_kv": kv, "attention.key_length": head_dim,
+            "attention.value_length": head_dim, "context_length": 512, "attention.layer_norm_rms_epsilon": 1e-6,
+            "attention.sliding_window": 8, "rope.freq_base": 1e6}
+    for key, value in keys.items():
+        if key == drop_key:
+            continue
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"gemma3.{key}", value)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_pad_token_id(0)
+    w.add_unk_token_id(3)
+
+    def t(name, *shape, norm=False):
+        x = rng.normal(0, 0.2, shape).astype(np.float32)
+        w.add_tensor(name, (x + 1.0) if norm else x)
+
+    t("token_embd.weight", len(tokens), hidden)
+    t("output_norm.weight", hidden, norm=True)
+    for i in range(layers):
+        t(f"blk.{i}.attn_q.weight", heads * head_dim, hidden)
+        t(f"blk.{i}.attn_k.weight", kv * head_dim, hidden)
+        t(f"blk.{i}.attn_v.weight", kv * head_dim, hidden)
+        t(f"blk.{i}.attn_output.weight", hidden, heads * head_dim)
+        for n in ("attn_q_norm", "attn_k_norm"):
+            t(f"blk.{i}.{n}.weight", head_dim, norm=True)
+        for n in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            t(f"blk.{i}.{n}.weight", hidden, norm=True)
+        t(f"blk.{i}.ffn_gate.weight", ffn, hidden)
+        t(f"blk.{i}.ffn_up.weight", ffn, hidden)
+        t(f"blk.{i}.ffn_down.weight", hidden, ffn)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return path

@@ -294,10 +294,63 @@ def test_bad_budgets_and_names(llama):
         methods.get("fastkv", budget=0.1)
     with pytest.raises(ValueError, match="pivot must be 'dynamic'"):
         methods.StructKV(pivot="auto")
-    with pytest.raises(ValueError, match="fewer than the observation window"):
-        _compress(llama, _ids(5), methods.SnapKV(kv_budget=0.5))
-    with pytest.raises(ValueError, match="below the observation window"):
-        _compress(llama, _ids(40), methods.SnapKV(kv_budget=0.1))  # 4 tokens < window 8
+
+
+
+SHORT_PROMPT_METHODS = {"streaming_llm": {}, "snapkv": {}, "pyramidkv": {}, "h2o": {}, "gemfilter": {},
+                        "fastkv": {"tsp_layer": 1}, "structkv": {"pivot": 1}}
+
+
+@pytest.mark.parametrize("name", list(SHORT_PROMPT_METHODS))
+@pytest.mark.parametrize("n", [1, 2, 5, 9])
+def test_short_prompts_keep_their_window(llama, name, n):
+    """The rule for short prompts: every row keeps at least one token and its observation window,
+    the whole prompt when it is shorter (a ratio budget that floors below it is raised to it)."""
+    method = methods.get(name, kv_budget=0.1, **SHORT_PROMPT_METHODS[name])
+    state = _compress(llama, _ids(n), method)
+    entries = state.stats["kv_entries_per_layer"]
+    window = getattr(method, "window", 0)
+    kv_heads = llama.config.num_kv_heads
+    assert all(e >= kv_heads * max(1, min(window, n)) for e in entries), entries
+    assert torch.isfinite(state.logits).all()
+    out = structkv.generate(llama, _ids(n), method=method, max_new_tokens=3, compile=False)
+    assert len(out.token_ids) >= 1
+    if n <= window:  # nothing to choose from: identical to the full cache
+        full = structkv.generate(llama, _ids(n), max_new_tokens=3, compile=False, stop_at_eos=False)
+        assert structkv.generate(llama, _ids(n), method=method, max_new_tokens=3, compile=False,
+                                 stop_at_eos=False).token_ids == full.token_ids
+
+
+def test_ratio_below_the_window_is_raised_to_it(llama):
+    state = _compress(llama, _ids(40), methods.SnapKV(kv_budget=0.1))  # floor(4) < window 8
+    assert set(state.stats["kv_entries_per_layer"]) == {8 * llama.config.num_kv_heads}
+
+
+@pytest.mark.parametrize("name, options, message", [
+    ("snapkv", {"window": 0}, "window must be an int >= 1"),
+    ("pyramidkv", {"window": 0}, "window must be an int >= 1"),
+    ("fastkv", {"window": 0}, "window must be an int >= 1"),
+    ("structkv", {"window": 0}, "window must be an int >= 1"),
+    ("snapkv", {"window": -1}, "window must be an int"),
+    ("snapkv", {"window": 2.5}, "window must be an int"),
+    ("pyramidkv", {"beta": 0.5}, "beta must be a finite number >= 1"),
+    ("pyramidkv", {"beta": float("nan")}, "beta must be a finite number >= 1"),
+    ("pyramidkv", {"beta": float("inf")}, "beta must be a finite number >= 1"),
+    ("gemfilter", {"kernel": 0}, "kernel must be a positive int"),
+    ("gemfilter", {"kernel": 2.0}, "kernel must be a positive int"),
+    ("snapkv", {"kernel": -7}, "kernel must be a positive int"),
+    ("structkv", {"weights": (0.2, 0.3)}, "weights must be three finite numbers"),
+    ("structkv", {"weights": (0.2, float("nan"), 0.5)}, "weights must be three finite numbers"),
+    ("structkv", {"weights": (0, 0, 0)}, "weights must be three finite numbers"),
+    ("structkv", {"weights": (-1, 1, 1)}, "weights must be three finite numbers"),
+    ("structkv", {"depth_range": (0.6, 0.3)}, "depth_range must be two fractions"),
+    ("structkv", {"kv_budget": float("nan")}, "kv_budget ratio must be in"),
+    ("structkv_coupled", {"kv_budget": float("nan")}, "kv_budget ratio must be in"),
+    ("structkv_coupled", {"kv_budget": 0.1, "r_struct": 0.2}, "ties r_struct to kv_budget"),
+])
+def test_degenerate_options_are_refused(name, options, message):
+    with pytest.raises(ValueError, match=message):
+        methods.get(name, **options)
 
 
 def test_sliding_layer_rejected_as_tsp_layer(gemma_tiny):

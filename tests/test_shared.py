@@ -134,8 +134,8 @@ def test_any_mix_of_methods_shares_exactly(budgets, names, n, seed, models):
 def test_bad_input(models):
     model = models["llama"]
     tokens, positions, _ = encode_batch(model, [_ids(60)])
-    with pytest.raises(ValueError, match="below the observation window"):  # the plan checks every method
-        compress_shared(model, tokens, positions, [methods.get("full"), methods.get("snapkv", kv_budget=0.1)])
+    with pytest.raises(ValueError, match="outside the model's layers"):  # the plan checks every method
+        compress_shared(model, tokens, positions, [methods.get("full"), methods.get("fastkv", tsp_layer=7)])
     with pytest.raises(ValueError, match="at least one method"):
         compress_shared(model, tokens, positions, [])
     state = compress(model, tokens, positions, methods.get("snapkv", kv_budget=0.2), room=4)

@@ -18,8 +18,9 @@ import json
 import zipfile
 from pathlib import Path
 
+from ..files import write_atomic
 from ..data import data_dir
-from ..fetch import locked, cache_root, hub_file, write_atomic
+from ..fetch import cache_root, hub_file, locked
 from .metrics import LONGBENCH_METRIC
 
 TASKS = list(LONGBENCH_METRIC)

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..data import read_json, ruler_file
+from ..data import ruler_file
+from ..files import read_json
 from .text import split_sentences
 
 NIAH_TEMPLATE = (
@@ -384,9 +385,12 @@ def generate(task: str, tokenizer, length: int, samples: int, *, seed: int = 42,
         lo = _min_size(task)
         if tokens_at(index, lo) > budget:
             raise ValueError(f"{task}: even the smallest haystack exceeds {length} tokens; use a longer length")
-        hi = lo * 2
-        while tokens_at(index, hi) <= budget:  # grow until it overflows
-            lo, hi = hi, hi * 2
+        hi, reached = lo * 2, tokens_at(index, lo)
+        while (grown := tokens_at(index, hi)) <= budget:  # grow until it overflows
+            if grown <= reached and not task.startswith("qa"):  # the haystack ran out: more size adds nothing
+                raise ValueError(f"{task}: the haystack data ran out at {grown} tokens, short of the {length}-token "
+                                 "budget; the data file is too short for this length (use shorter lengths)")
+            lo, hi, reached = hi, hi * 2, grown
             if task.startswith("qa") and lo >= len(_qa_data(root, spec.opt("dataset"))[1]):
                 break
         while hi - lo > 1:  # largest size that fits

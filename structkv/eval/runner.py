@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .. import methods as methods_registry
+from ..files import write_text_atomic
 from . import metrics
 
 BENCHMARKS = ("ruler", "longbench", "niah")
@@ -72,11 +73,26 @@ class EvalConfig:
         for t in self.tasks or []:
             if t not in tasks:
                 raise ValueError(f"unknown {self.benchmark} task {t!r}; valid: {', '.join(tasks)}")
+        self._check_data()
         if model_config is not None:
             limit = model_config.max_position_embeddings
             for n in self.lengths:
                 if n > limit:
                     raise ValueError(f"length {n} exceeds the model's {limit} positions; use lengths <= {limit}")
+
+    def _check_data(self) -> None:
+        """A --data folder must hold what the benchmark reads, checked before anything is written."""
+        if self.data_dir is None:
+            return
+        if self.benchmark == "longbench":
+            from .longbench import longbench_dir
+            longbench_dir(self.data_dir)
+            return
+        from ..data import data_dir
+        folder = data_dir(self.data_dir)
+        if not (folder / "ruler").is_dir():
+            raise FileNotFoundError(f"--data {folder} has no ruler/ folder, which {self.benchmark} needs "
+                                    "(PaulGrahamEssays.json, squad.json, hotpotqa.json)")
 
     def task_samples(self, task: str) -> int:
         """Samples the run asks of `task` (per length; niah: per depth): LongBench has only its
@@ -120,33 +136,48 @@ def make_method(cfg: EvalConfig, name: str, kv_budget: float | None):
 # ------------------------------------------------------------------------------ samples
 
 
-def build_samples(cfg: EvalConfig, tokenizer) -> list[dict]:
-    """Every sample of the run, each with `input_ids`, gold `outputs`, `metric` and its key fields."""
+def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[dict]:
+    """Every sample of the run, each with `input_ids`, gold `outputs`, `metric` and its key fields.
+    With `progress`, a line on stderr says what is being built (a large run takes minutes here)."""
     tasks = cfg.tasks or cfg.all_tasks()
     out = []
     for length in cfg.lengths:
         if cfg.benchmark == "ruler":
             from .ruler import generate
             for task in tasks:
-                for rec in generate(task, tokenizer, length, cfg.task_samples(task), seed=cfg.seed,
-                                    data_dir=cfg.data_dir):
-                    rec["input_ids"] = tokenizer.encode(rec.pop("input"))
-                    out.append({**rec, "length_budget": length})
+                n = cfg.task_samples(task)
+                for start in range(0, n, 10):  # in steps of 10 (samples are independent), to show progress
+                    _building(progress, f"RULER {task} at {length} tokens: {start + 1}-{min(n, start + 10)} of {n}")
+                    for rec in generate(task, tokenizer, length, min(10, n - start), seed=cfg.seed,
+                                        data_dir=cfg.data_dir, start=start):
+                        rec["input_ids"] = tokenizer.encode(rec.pop("input"))
+                        out.append({**rec, "length_budget": length})
         elif cfg.benchmark == "longbench":
             from .longbench import load
             for task in tasks:
+                _building(progress, f"LongBench {task} at {length} tokens")
                 for rec in load(task, tokenizer, length, root=cfg.data_dir, subset=not cfg.longbench_full,
                                 samples=cfg.samples):
                     out.append({**rec, "length_budget": length})
         else:
             from ..data import needle_prompt
             for depth in cfg.depths:
+                _building(progress, f"needles at {length} tokens, depth {depth:g}")
                 for index in range(cfg.task_samples("niah")):
                     needle = needle_prompt(tokenizer, length - 16, depth, seed=cfg.seed + index, root=cfg.data_dir)
                     out.append({"index": index, "task": "niah", "depth": depth, "input_ids": needle.prompt_ids,
                                 "outputs": [needle.answer], "length": len(needle.prompt_ids), "max_new_tokens": 12,
                                 "metric": "needle", "length_budget": length})
+    if progress and sys.stderr.isatty():
+        print(file=sys.stderr)
     return out
+
+
+def _building(enabled: bool, what: str) -> None:
+    if enabled:
+        tty = sys.stderr.isatty()
+        print(("\r" + f"building samples: {what}"[:160].ljust(160)) if tty else f"building samples: {what}",
+              end="" if tty else "\n", file=sys.stderr, flush=True)
 
 
 def score(sample: dict, prediction: str) -> float:
@@ -197,32 +228,76 @@ def environment() -> dict:
     return info
 
 
-def _read_predictions(path: Path) -> dict[str, dict]:
-    """Finished predictions by key; a line cut by an interrupted run is skipped (so redone)."""
-    done = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
+def _read_predictions(path: Path, *, quiet: bool = False) -> dict[str, dict]:
+    """Finished predictions by key. Lines that are not JSON objects with a "key" (a line cut by
+    an interrupted write, a NUL-filled tail after a power loss, a hand edit) are skipped, so those
+    samples are redone, and reported on stderr."""
+    done, bad = {}, []
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            line = raw.decode("utf-8", errors="replace").strip()
+            if not line.strip("\x00"):
+                continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
-                continue
-            done[rec["key"]] = rec
+                rec = None
+            if isinstance(rec, dict) and isinstance(rec.get("key"), str):
+                done[rec["key"]] = rec
+            else:
+                bad.append(number)
+    if bad and not quiet:
+        print(f"structkv: skipped {len(bad)} unreadable line(s) of {path} (line {', '.join(map(str, bad[:10]))}"
+              f"{', ...' if len(bad) > 10 else ''}); their samples are run again", file=sys.stderr)
     return done
+
+
+def _repair_tail(path: Path) -> None:
+    """Make the file end with a newline before appending: a last line without one is either a
+    whole record (kept, newline added) or the cut end of an interrupted write (removed; its
+    sample is redone). Without this the next record would be glued onto the broken line."""
+    with path.open("rb+") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return
+        start = data.rfind(b"\n") + 1
+        try:
+            whole = isinstance(json.loads(data[start:].decode("utf-8")), dict)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            whole = False
+        if whole:
+            f.write(b"\n")
+        else:
+            f.truncate(start)
+            print(f"structkv: removed an incomplete last line of {path} ({len(data) - start} bytes, an interrupted "
+                  "write); its sample is run again", file=sys.stderr)
+
+
+def _check_settings(cfg: EvalConfig, out: Path) -> None:
+    """Refuse a folder whose results were made with other settings (they would mean something else)."""
+    conf_path = out / "config.json"
+    if not conf_path.exists():
+        return
+    try:
+        old = json.loads(conf_path.read_text())["config"]
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+        raise ValueError(f"{conf_path} is unreadable, so the settings of the results in {out} are unknown; "
+                         "restore it or choose another --out folder") from None
+    clash = {k: (old.get(k), getattr(cfg, k)) for k in IDENTITY if old.get(k) != getattr(cfg, k)}
+    if clash:
+        raise ValueError(f"{out} holds results made with other settings {clash}; choose another --out folder")
 
 
 def _open_output(cfg: EvalConfig, out: Path) -> dict[str, dict]:
     """Create or reopen the folder; returns the finished predictions by key."""
+    _check_settings(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
-    conf_path = out / "config.json"
-    if conf_path.exists():
-        old = json.loads(conf_path.read_text())["config"]
-        clash = {k: (old.get(k), getattr(cfg, k)) for k in IDENTITY if old.get(k) != getattr(cfg, k)}
-        if clash:
-            raise ValueError(f"{out} holds results made with other settings {clash}; choose another --out folder")
     pred_path = out / "predictions.jsonl"
+    if pred_path.exists():
+        _repair_tail(pred_path)
     done = _read_predictions(pred_path) if pred_path.exists() else {}
-    conf_path.write_text(json.dumps({"config": asdict(cfg), "environment": environment(),
-                                     "command": " ".join(sys.argv)}, indent=2))
+    write_text_atomic(out / "config.json", json.dumps({"config": asdict(cfg), "environment": environment(),
+                                                       "command": " ".join(sys.argv)}, indent=2))
     return done
 
 
@@ -267,7 +342,7 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
         raise ValueError(f"model {cfg.model!r} has no tokenizer; evaluation needs one (tokenizer.json in its folder)")
     out = Path(out)
     done = _open_output(cfg, out)
-    samples = build_samples(cfg, model.tokenizer)
+    samples = build_samples(cfg, model.tokenizer, progress)
     runs = method_runs(cfg)
     to_compute = sum(sample_key(label, sample) not in done for label, _, _ in runs for sample in samples)
     bar = Progress(len(runs) * len(samples), to_compute, progress)
@@ -324,13 +399,18 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
     return _report(cfg, out, done)
 
 
-def report(cfg: EvalConfig, out: str | os.PathLike) -> dict:
+def report(cfg: EvalConfig, out: str | os.PathLike, *, write: bool = True) -> dict:
     """Rebuild metrics.json, summary.md and the plots from the predictions so far, computing
-    nothing (e.g. while a long run is still going, or after it was stopped)."""
+    nothing (e.g. while a long run is still going, or after it was stopped). The settings must be
+    the folder's own, as for a rerun. `write=False` only returns (and the CLI prints) the
+    metrics, so a read-only folder can be reported on."""
     out = Path(out)
     if not (out / "predictions.jsonl").exists():
         raise FileNotFoundError(f"{out} has no predictions.jsonl; run the evaluation first")
-    return _report(cfg, out, _read_predictions(out / "predictions.jsonl"))
+    _check_settings(cfg, out)
+    if write and not os.access(out, os.W_OK):
+        raise PermissionError(f"{out} is not writable; add --no-write to print the report without writing files")
+    return _report(cfg, out, _read_predictions(out / "predictions.jsonl"), write=write)
 
 
 def _wanted(cfg: EvalConfig) -> set[str]:
@@ -343,14 +423,16 @@ def _wanted(cfg: EvalConfig) -> set[str]:
             for d in depths for i in range(count)}
 
 
-def _report(cfg: EvalConfig, out: Path, done: dict[str, dict]) -> dict:
+def _report(cfg: EvalConfig, out: Path, done: dict[str, dict], *, write: bool = True) -> dict:
     wanted = _wanted(cfg)
     records = [r for k, r in done.items() if k in wanted]
     if not records:
         raise ValueError(f"{out} holds no predictions for these settings yet")
     result = aggregate(records)
-    (out / "metrics.json").write_text(json.dumps(result, indent=2))
-    (out / "summary.md").write_text(summary_markdown(result, cfg))
+    if not write:
+        return result
+    write_text_atomic(out / "metrics.json", json.dumps(result, indent=2))
+    write_text_atomic(out / "summary.md", summary_markdown(result, cfg))
     try:
         from .plots import plot_all
         result["plots"] = plot_all(result, records, out)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from ..modules.selection import budget_tokens
@@ -44,6 +43,7 @@ class Method:
     name = "full"
     compresses_kv = False  # per-layer KV selection
     needs_scores = False  # window_scores at full-attention layers
+    min_window = 0  # methods scored by the observation window need at least one query
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -56,8 +56,12 @@ class Method:
                 if isinstance(v, int) and v < 1:
                     raise ValueError(f"{self.name}: {f.name} must be a positive token count, got {v}")
         w = getattr(self, "window", 0)
-        if not isinstance(w, int) or w < 0:
-            raise ValueError(f"{self.name}: window must be a non-negative int, got {w!r}")
+        if isinstance(w, bool) or not isinstance(w, int) or w < self.min_window:
+            raise ValueError(f"{self.name}: window must be an int >= {self.min_window}, got {w!r}"
+                             + (" (its queries score the keys)" if self.min_window else ""))
+        kernel = getattr(self, "kernel", 1)
+        if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1:
+            raise ValueError(f"{self.name}: kernel must be a positive int (pooling width in tokens), got {kernel!r}")
         for budget_name in ("kv_budget", "r_struct"):
             b = getattr(self, budget_name, None)
             if isinstance(b, int) and not isinstance(b, bool) and b < w:
@@ -71,19 +75,14 @@ class Method:
     # ------------------------------------------------------------------ planning
     def kv_keep(self, lengths) -> list[int]:
         """Entries kept per row in each compressed layer."""
-        keep = budget_tokens(self.kv_budget, lengths, f"{self.name} kv_budget")
-        self._check_window(keep, lengths, "kv_budget")
-        return keep
+        return self.fit_window(budget_tokens(self.kv_budget, lengths, f"{self.name} kv_budget"), lengths)
 
-    def _check_window(self, keep: list[int], lengths, what: str) -> None:
+    def fit_window(self, keep: list[int], lengths) -> list[int]:
+        """The rule for short prompts: a row always keeps its observation window (the whole prompt
+        when it is shorter), so a ratio budget that floors below the window on a short prompt is
+        raised to it. (A token-count budget below the window is refused by `validate`.)"""
         w = getattr(self, "window", 0)
-        for b, (k, n) in enumerate(zip(keep, lengths.tolist())):
-            if n < w:
-                raise ValueError(f"{self.name}: prompt {b} has {n} tokens, fewer than the observation window ({w}); "
-                                 "use a smaller window or a longer prompt")
-            if k < min(w, n):
-                raise ValueError(f"{self.name}: {what} keeps {k} of {n} tokens in prompt {b}, below the observation "
-                                 f"window ({w}); raise the budget (needs >= {math.ceil(w / max(n, 1) * 100)}% here)")
+        return [max(k, min(w, n)) for k, n in zip(keep, lengths.tolist())]
 
     def layer_keep(self, layer: int, cfg, lengths, base: list[int]) -> list[int]:
         """Per-layer budget (PyramidKV overrides)."""

@@ -32,10 +32,9 @@ METHODS = {
 
 def _coupled(**kw):
     budget = kw.pop("kv_budget", 0.1)
-    kw.setdefault("r_struct", budget)
-    if kw["r_struct"] != budget:
+    if "r_struct" in kw:
         raise ValueError("structkv_coupled ties r_struct to kv_budget; pass only kv_budget")
-    return _structkv_variant("structkv_coupled")(kv_budget=budget, **kw)
+    return _structkv_variant("structkv_coupled")(kv_budget=budget, r_struct=budget, **kw)
 
 
 METHODS["structkv_coupled"] = _coupled

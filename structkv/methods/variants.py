@@ -1,6 +1,7 @@
 """The methods: defaults follow docs/algorithm.md (FastKV's harness where StructKV is silent)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .base import Method
@@ -37,6 +38,7 @@ class WindowScored(Method):
     per_head: bool = True
     compresses_kv = True
     needs_scores = True
+    min_window = 1
 
 
 @dataclass
@@ -52,6 +54,12 @@ class PyramidKV(SnapKV):
 
     beta: float = 20.0
     name = "pyramidkv"
+
+    def validate(self):
+        super().validate()
+        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not 1 <= self.beta < float("inf"):
+            raise ValueError(f"pyramidkv: beta must be a finite number >= 1 (1 = the same budget at every layer, "
+                             f"larger = steeper), got {self.beta!r}")
 
     def layer_keep(self, layer, cfg, lengths, base):
         """kvpress/PyramidKV schedule over the scored layers: max at the first, min at the last."""
@@ -135,5 +143,13 @@ class StructKV(WindowScored):
             raise ValueError(f"structkv: decay must be in [0, 1], got {self.decay}")
         if isinstance(self.pivot, str) and self.pivot != "dynamic":
             raise ValueError(f"structkv: pivot must be 'dynamic', a layer index or a depth fraction, got {self.pivot!r}")
-        if len(self.weights) != 3:
-            raise ValueError(f"structkv: weights must be three numbers (entropy, top-k mass, variance), got {self.weights}")
+        w = self.weights
+        if (not isinstance(w, (tuple, list)) or len(w) != 3
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+                           for x in w) or sum(w) <= 0):
+            raise ValueError(f"structkv: weights must be three finite numbers >= 0, not all 0 (entropy, top-k mass, "
+                             f"variance), got {w!r}")
+        r = self.depth_range
+        if (not isinstance(r, (tuple, list)) or len(r) != 2
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in r) or not 0 <= r[0] <= r[1] <= 1):
+            raise ValueError(f"structkv: depth_range must be two fractions 0 <= lo <= hi <= 1, got {r!r}")

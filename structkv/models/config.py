@@ -51,6 +51,7 @@ class ModelConfig:
     torch_dtype: str | None = None
 
     def __post_init__(self):
+        self._check_values()
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -65,6 +66,26 @@ class ModelConfig:
                 raise ValueError(f"no RoPE parameters for layer type {t!r}")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a positive sliding_window")
+
+    def _check_values(self) -> None:
+        """Types and ranges of every number: a string size, a negative epsilon or a zero RoPE base
+        would otherwise load and generate garbage (or crash deep inside a layer)."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            _positive_int(name, getattr(self, name))
+        if self.sliding_window is not None:
+            _positive_int("sliding_window", self.sliding_window)
+        _positive_float("rms_norm_eps", self.rms_norm_eps)
+        if self.attn_scale is not None:
+            _positive_float("attn_scale", self.attn_scale)
+        for kind, rope in self.rope.items():
+            for f in ("theta", "factor", "low_freq_factor", "high_freq_factor"):
+                _positive_float(f"rope[{kind}].{f}", getattr(rope, f))
+            _positive_int(f"rope[{kind}].original_max_position_embeddings", rope.original_max_position_embeddings)
+        for name in ("bos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"config field {name!r} must be a token id (int >= 0) or null, got {value!r}")
 
     @property
     def scale(self) -> float:
@@ -94,7 +115,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, d: dict) -> "ModelConfig":
-        """Build from a HF `config.json` dict (transformers 4.x or 5.x layout)."""
+        """Build from a HF `config.json` dict (transformers 4.x or 5.x layout). Errors are
+        ValueErrors that name the field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a config must be a JSON object, got a {type(d).__name__}")
         model_type = d.get("model_type")
         if model_type == "gemma3" and "text_config" in d:  # multimodal wrapper: use the text tower
             d, model_type = {**d["text_config"], "model_type": "gemma3_text"}, "gemma3_text"
@@ -102,9 +126,12 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; structkv supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        n_layers = d["num_hidden_layers"]
-        n_heads = d["num_attention_heads"]
-        hidden = d["hidden_size"]
+        n_layers = _field(d, "num_hidden_layers")
+        n_heads = _field(d, "num_attention_heads")
+        hidden = _field(d, "hidden_size")
+        _positive_int("num_hidden_layers", n_layers)
+        _positive_int("num_attention_heads", n_heads)
+        _positive_int("hidden_size", hidden)
         head_dim = d.get("head_dim") or hidden // n_heads
         gemma = model_type == "gemma3_text"
 
@@ -121,6 +148,8 @@ class ModelConfig:
                 layer_types = ["sliding_attention" if i >= first_full else "full_attention" for i in range(n_layers)]
             else:
                 layer_types = ["full_attention"] * n_layers
+        if not isinstance(layer_types, (list, tuple)) or not all(isinstance(t, str) for t in layer_types):
+            raise ValueError(f"config field 'layer_types' must be a list of strings, got {layer_types!r}")
         layer_types = tuple(layer_types)
         if "sliding_attention" not in layer_types:
             sliding_window = None
@@ -128,6 +157,8 @@ class ModelConfig:
         rope = _read_rope(d, gemma)
         eos = d.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos):
+            raise ValueError(f"config field 'eos_token_id' must be a token id or a list of them, got {d['eos_token_id']!r}")
         act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
         act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act)
         if act is None:
@@ -137,9 +168,9 @@ class ModelConfig:
                 raise ValueError(f"{key}={d[key]} is not supported (Gemma 2 style soft-capping)")
         return cls(
             model_type=model_type,
-            vocab_size=d["vocab_size"],
+            vocab_size=_field(d, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=d["intermediate_size"],
+            intermediate_size=_field(d, "intermediate_size"),
             num_layers=n_layers,
             num_heads=n_heads,
             num_kv_heads=d.get("num_key_value_heads") or n_heads,
@@ -153,7 +184,7 @@ class ModelConfig:
             qk_norm=model_type in ("qwen3", "gemma3_text"),
             activation=act,
             gemma_norms=gemma,
-            attn_scale=d["query_pre_attn_scalar"] ** -0.5 if gemma and d.get("query_pre_attn_scalar") else None,
+            attn_scale=_query_scale(d) if gemma else None,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos,
@@ -162,24 +193,63 @@ class ModelConfig:
         )
 
 
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config field {name!r} must be a positive integer, got {value!r}")
+
+
+def _positive_float(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"config field {name!r} must be a finite number > 0, got {value!r}")
+
+
+def _query_scale(d: dict) -> float | None:
+    """Gemma's attention scale from query_pre_attn_scalar (None: 1/sqrt(head_dim))."""
+    if not d.get("query_pre_attn_scalar"):
+        return None
+    value = _number(d, "query_pre_attn_scalar", None)
+    _positive_float("query_pre_attn_scalar", value)
+    return value**-0.5
+
+
+def _field(d: dict, key: str):
+    """A required field of config.json, or an error naming it."""
+    if key not in d:
+        raise ValueError(f"config field {key!r} is missing")
+    return d[key]
+
+
+def _number(p: dict, key: str, default, kind=float):
+    value = p.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"config field {key!r} must be a number, got {value!r}")
+    return kind(value)
+
+
 def _rope_from_params(p: dict, default_theta: float) -> RopeConfig:
     rope_type = p.get("rope_type", p.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    for key in ("rope_theta", "factor"):
+        _positive_float(key, _number(p, key, default_theta if key == "rope_theta" else 1.0))
     return RopeConfig(
-        theta=float(p.get("rope_theta", default_theta)),
+        theta=_number(p, "rope_theta", default_theta),
         rope_type=rope_type,
-        factor=float(p.get("factor", 1.0)),
-        low_freq_factor=float(p.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(p.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(p.get("original_max_position_embeddings", 8192)),
+        factor=_number(p, "factor", 1.0),
+        low_freq_factor=_number(p, "low_freq_factor", 1.0),
+        high_freq_factor=_number(p, "high_freq_factor", 4.0),
+        original_max_position_embeddings=_number(p, "original_max_position_embeddings", 8192, int),
     )
 
 
 def _read_rope(d: dict, gemma: bool) -> dict[str, RopeConfig]:
     """RoPE per layer type, from v5 `rope_parameters` or v4 `rope_theta`/`rope_scaling`."""
     params = d.get("rope_parameters")
-    theta = float(d.get("rope_theta", 10000.0))
+    theta = _number(d, "rope_theta", 10000.0)
+    for key in ("rope_parameters", "rope_scaling"):
+        if d.get(key) is not None and not isinstance(d[key], dict):
+            raise ValueError(f"config field {key!r} must be an object (e.g. {{\"rope_type\": \"linear\", "
+                             f"\"factor\": 2.0}}), got {d[key]!r}")
     if params and all(isinstance(v, dict) for v in params.values()):  # per layer type (Gemma 3, v5)
         return {k: _rope_from_params(v, theta) for k, v in params.items()}
     if params:  # one set for all layers (v5)
@@ -188,7 +258,7 @@ def _read_rope(d: dict, gemma: bool) -> dict[str, RopeConfig]:
     scaling = d.get("rope_scaling") or {}
     full = _rope_from_params({**scaling, "rope_theta": theta}, theta)
     if gemma:  # v4 Gemma 3: local layers use rope_local_base_freq without scaling
-        local = RopeConfig(theta=float(d.get("rope_local_base_freq", 10000.0)))
+        local = RopeConfig(theta=_number(d, "rope_local_base_freq", 10000.0))
         return {"full_attention": full, "sliding_attention": local}
     return {"full_attention": full, "sliding_attention": full}
 

@@ -62,25 +62,31 @@ def gguf_config(fields: dict) -> ModelConfig:
             "load a HF safetensors folder instead"
         )
     p = f"{arch}."
-    n_layers = fields[p + "block_count"]
+
+    def need(key):
+        if key not in fields:
+            raise ValueError(f"GGUF metadata key {key!r} is missing")
+        return fields[key]
+
+    n_layers = need(p + "block_count")
     eos = fields.get("tokenizer.ggml.eos_token_id")
     tokens = fields.get("tokenizer.ggml.tokens") or []
     eos_ids = tuple(i for i in (eos, tokens.index("<end_of_turn>") if "<end_of_turn>" in tokens else None) if i is not None)
-    head_dim = fields[p + "attention.key_length"]
+    head_dim = need(p + "attention.key_length")
     return ModelConfig(
         model_type="gemma3_text",
         vocab_size=len(tokens),
-        hidden_size=fields[p + "embedding_length"],
-        intermediate_size=fields[p + "feed_forward_length"],
+        hidden_size=need(p + "embedding_length"),
+        intermediate_size=need(p + "feed_forward_length"),
         num_layers=n_layers,
-        num_heads=fields[p + "attention.head_count"],
-        num_kv_heads=fields[p + "attention.head_count_kv"],
+        num_heads=need(p + "attention.head_count"),
+        num_kv_heads=need(p + "attention.head_count_kv"),
         head_dim=head_dim,
-        max_position_embeddings=fields[p + "context_length"],
-        rms_norm_eps=fields[p + "attention.layer_norm_rms_epsilon"],
+        max_position_embeddings=need(p + "context_length"),
+        rms_norm_eps=need(p + "attention.layer_norm_rms_epsilon"),
         # llama.cpp's Gemma 3: every 6th layer is global, local layers use theta 10k.
         layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n_layers)),
-        sliding_window=fields[p + "attention.sliding_window"],
+        sliding_window=need(p + "attention.sliding_window"),
         rope={"full_attention": RopeConfig(theta=fields.get(p + "rope.freq_base", 1e6)),
               "sliding_attention": RopeConfig(theta=10000.0)},
         qk_norm=True,

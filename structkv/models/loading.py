@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 
 from ..fetch import cache_root, hub_reachable
+from ..files import read_json_object
 from ..tokenizer import Tokenizer
 from .config import ModelConfig
 from .decoder import Decoder
@@ -44,6 +47,19 @@ def _resolve_device(device) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device} requested but CUDA is not available here; use device='cpu'")
     return device
+
+
+def check_finite(state_dict: dict[str, torch.Tensor], source: str, chunk: int = 1 << 24) -> None:
+    """Refuse NaN or inf in any weight (a corrupt checkpoint otherwise loads and generates one
+    token over and over). Reads each tensor once, `chunk` elements at a time."""
+    for name, t in state_dict.items():
+        if not t.is_floating_point():
+            continue
+        flat = t.reshape(-1)
+        for start in range(0, flat.numel(), chunk):
+            if not bool(torch.isfinite(flat[start:start + chunk]).all()):
+                raise ValueError(f"tensor {name!r} in {source} holds NaN or inf values: the checkpoint is corrupt "
+                                 "(re-download it), or load it anyway with check_weights=False")
 
 
 def build(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
@@ -99,27 +115,41 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def load_folder(folder: Path, *, dtype=None, device="cpu") -> Decoder:
+def load_folder(folder: Path, *, dtype=None, device="cpu", check_weights: bool = True) -> Decoder:
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
         raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
-    try:
-        cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
+    cfg = _read_config(cfg_path)
     gen_path = folder / "generation_config.json"
     if gen_path.exists():  # generation_config's eos list is what generation should stop at
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        eos = read_json_object(gen_path).get("eos_token_id")
+        if not (eos is None or isinstance(eos, int) or (isinstance(eos, list) and all(isinstance(e, int) for e in eos))):
+            raise ValueError(f"{gen_path}: field 'eos_token_id' must be a token id or a list of them, got {eos!r}")
         if eos is not None:
             eos = tuple(eos) if isinstance(eos, list) else (eos,)
             cfg = _replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + eos)))
     dtype, device = _resolve_dtype(dtype, cfg), _resolve_device(device)
-    model = build(cfg, _read_safetensors(folder), dtype=dtype, device=device, source=str(folder))
+    state_dict = _read_safetensors(folder)
+    if check_weights:
+        check_finite(state_dict, str(folder))
+    model = build(cfg, state_dict, dtype=dtype, device=device, source=str(folder))
     tok_path = folder / "tokenizer.json"
     if tok_path.exists():
         model.tokenizer = Tokenizer.from_file(tok_path, bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids,
                                               pad_id=cfg.pad_token_id)
     return model
+
+
+def _read_config(path: Path) -> ModelConfig:
+    """config.json -> ModelConfig; every problem is one ValueError naming the file and the field."""
+    try:
+        return ModelConfig.from_hf(read_json_object(path))
+    except ValueError as e:
+        if str(e).startswith(str(path)):
+            raise
+        raise ValueError(f"{path}: {e}") from None
+    except (TypeError, KeyError, AttributeError) as e:  # a field of an unexpected type that no check named
+        raise ValueError(f"{path}: a field has an unexpected type or shape ({type(e).__name__}: {e})") from None
 
 
 def _replace(cfg, **kw):
@@ -135,7 +165,13 @@ def load_gguf(path: Path, *, dtype=None, device="cpu") -> Decoder:
     stat = path.stat()
     cached = cache_root() / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
     if not (cached / "done").exists():
-        _convert_gguf(path, cached)
+        try:
+            _convert_gguf(path, cached)
+        except ValueError as e:
+            raise ValueError(str(e) if str(path) in str(e) else f"{path}: {e}") from None
+        except PermissionError as e:
+            raise PermissionError(f"cannot write the model cache {cached.parent} ({e.strerror}); "
+                                  "set STRUCTKV_CACHE to a writable folder") from None
     from safetensors.torch import load_file
 
     cfg = ModelConfig.from_dict(json.loads((cached / "structkv_config.json").read_text()))
@@ -155,20 +191,26 @@ def _convert_gguf(path: Path, out: Path) -> None:
     fields = read_fields(reader)
     cfg = gguf_config(fields)
     state_dict = gguf_state_dict(reader, cfg, torch.float32)
+    check_finite(state_dict, str(path))  # once, at conversion: later loads read the checked copy
     tok = Tokenizer.from_gguf_fields(fields)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(state_dict, str(tmp / "model.safetensors"))
-    (tmp / "structkv_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    tok.save(tmp / "tokenizer.json")
-    (tmp / "tokenizer_meta.json").write_text(json.dumps(
-        {"bos_id": tok.bos_id, "eos_ids": list(tok.eos_ids), "pad_id": tok.pad_id, "add_bos": tok.add_bos}))
-    (tmp / "done").write_text(str(path))
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    tmp.rename(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # this process's own folder
+    try:
+        save_file(state_dict, str(tmp / "model.safetensors"))
+        (tmp / "structkv_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        tok.save(tmp / "tokenizer.json")
+        (tmp / "tokenizer_meta.json").write_text(json.dumps(
+            {"bos_id": tok.bos_id, "eos_ids": list(tok.eos_ids), "pad_id": tok.pad_id, "add_bos": tok.add_bos}))
+        (tmp / "done").write_text(str(path))
+        if out.exists() and not (out / "done").exists():  # a conversion that crashed before the rename
+            shutil.rmtree(out, ignore_errors=True)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first: its copy is as good as ours
+            if not (out / "done").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _gemma_270m_path() -> Path:
@@ -199,13 +241,17 @@ def _download(repo_id: str) -> Path:
     return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
 
 
-def load(name_or_path: str | os.PathLike, *, dtype=None, device="cpu") -> Decoder:
+def load(name_or_path: str | os.PathLike, *, dtype=None, device="cpu", check_weights: bool = True) -> Decoder:
     """Load a decoder with `.config` and `.tokenizer`.
 
     `name_or_path`: a local HF folder, a `.gguf` file, the alias `gemma-3-270m`, a Hub id such
     as "meta-llama/Llama-3.1-8B", or "random:<shape>" (random weights at a real model's shape,
     see `structkv.models.shapes.SHAPES`). `dtype` None keeps the checkpoint's (float32 for GGUF).
+    `check_weights`: refuse weights holding NaN or inf (one read of every tensor; GGUF files are
+    checked once, when first converted); False skips it for large trusted checkpoints.
     """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"load takes a model name or path (str), got {type(name_or_path).__name__}")
     name = str(name_or_path)
     if name.startswith("random:"):  # real architecture, random weights (speed checks)
         from .shapes import random_model
@@ -216,7 +262,7 @@ def load(name_or_path: str | os.PathLike, *, dtype=None, device="cpu") -> Decode
         return load_gguf(_gemma_270m_path(), dtype=dtype, device=device)
     path = Path(name).expanduser()
     if path.is_dir():
-        return load_folder(path, dtype=dtype, device=device)
+        return load_folder(path, dtype=dtype, device=device, check_weights=check_weights)
     if path.suffix == ".gguf":
         if not path.exists():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
@@ -224,7 +270,7 @@ def load(name_or_path: str | os.PathLike, *, dtype=None, device="cpu") -> Decode
     if path.exists():
         raise ValueError(f"{path} is neither a model folder nor a .gguf file")
     if name.count("/") == 1 and not name.startswith((".", "/", "~")):
-        return load_folder(_download(name), dtype=dtype, device=device)
+        return load_folder(_download(name), dtype=dtype, device=device, check_weights=check_weights)
     raise FileNotFoundError(
         f"{name!r} is not a local folder, a .gguf file, a Hub id (owner/name) or one of the aliases "
         f"{sorted(ALIASES)}"

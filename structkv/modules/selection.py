@@ -29,14 +29,15 @@ def pool_scores(scores: torch.Tensor, kernel: int, pooling: str | None) -> torch
 
 
 def budget_tokens(budget: float | int, lengths: torch.Tensor, what: str = "budget") -> list[int]:
-    """Tokens to keep per row: floor(length * ratio) for a ratio in (0, 1], else min(count, length)."""
+    """Tokens to keep per row: floor(length * ratio), at least one, for a ratio in (0, 1]; else
+    min(count, length)."""
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise ValueError(f"{what} must be a ratio in (0, 1] or a positive token count, got {budget!r}")
     lens = [int(x) for x in lengths.tolist()]
     if isinstance(budget, float):
         if not 0.0 < budget <= 1.0:
             raise ValueError(f"{what} ratio must be in (0, 1], got {budget}")
-        return [int(n * budget) for n in lens]
+        return [min(n, max(1, int(n * budget))) for n in lens]
     if budget < 1:
         raise ValueError(f"{what} must be a positive token count, got {budget}")
     return [min(budget, n) for n in lens]

@@ -1,0 +1,99 @@
+"""A property of the whole public API: every call either returns a result that satisfies the
+method's invariants, or raises ValueError/TypeError with a message; never another exception,
+never NaN logits. Hypothesis draws prompts of every type, methods with random (often invalid)
+option values, batches and compressed states."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import structkv
+from structkv import methods
+
+BAD_FLOATS = [float("nan"), float("inf"), -float("inf"), 0.0, -0.5, 1.5]
+NUMBER = st.one_of(st.floats(0.01, 1.0), st.integers(-3, 300), st.sampled_from(BAD_FLOATS), st.sampled_from([None, "a"]))
+OPTIONS = {
+    "kv_budget": NUMBER, "r_struct": NUMBER, "tsp_rate": NUMBER, "window": st.integers(-2, 24) | st.just(2.5),
+    "kernel": st.integers(-1, 9), "beta": st.sampled_from([1.0, 20.0, 0.5, float("nan")]),
+    "decay": st.sampled_from([0.0, 0.5, 0.9, 1.0, 1.5, float("nan")]),
+    "pivot": st.sampled_from(["dynamic", 0.5, 1, 7, "auto", 0.0]),
+    "weights": st.sampled_from([(0.2, 0.3, 0.5), (1, 0, 0), (0, 0, 0), (1, float("nan"), 1), (1, 2)]),
+    "tsp_layer": st.sampled_from([0, 1, 2, 5, 0.5, -1]), "filter_layer": st.sampled_from([0, 1, 0.4, 9]),
+    "sinks": st.integers(-1, 6), "pooling": st.sampled_from(["max", "avg", None, "median"]),
+}
+
+
+SANE = {"kv_budget": st.floats(0.05, 1.0) | st.integers(24, 200), "r_struct": st.floats(0.1, 1.0),
+        "tsp_rate": st.floats(0.1, 1.0), "window": st.integers(1, 16), "kernel": st.integers(1, 9),
+        "pivot": st.sampled_from(["dynamic", 1, 0.5]), "tsp_layer": st.sampled_from([0, 1, 0.5]),
+        "filter_layer": st.sampled_from([0, 1, 0.4]), "pooling": st.sampled_from(["max", "avg", None])}
+
+
+@st.composite
+def method_calls(draw, sane: bool):
+    name = draw(st.sampled_from(methods.names()))
+    table = SANE if sane else OPTIONS
+    chosen = draw(st.lists(st.sampled_from(sorted(table)), max_size=3, unique=True))
+    return name, {k: draw(table[k]) for k in chosen}
+
+
+def sane_prompts(vocab):
+    ids = st.lists(st.integers(0, vocab - 1), min_size=1, max_size=120)
+    return st.one_of(st.text(min_size=1, max_size=200), ids, ids.map(lambda x: np.array(x, dtype=np.int64)),
+                     st.lists(ids, min_size=1, max_size=3))
+
+
+def prompts(vocab):
+    ids = st.lists(st.integers(-2, vocab + 3), min_size=0, max_size=80)
+    return st.one_of(
+        st.text(max_size=120), ids, st.binary(max_size=20), st.none(), st.integers(), st.floats(),
+        ids.map(lambda x: np.array(x, dtype=np.int64)), ids.map(lambda x: torch.tensor(x, dtype=torch.long)),
+        ids.map(lambda x: [np.int64(i) for i in x]), st.lists(st.text(min_size=1, max_size=60), min_size=1, max_size=3),
+        st.lists(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=40), min_size=1, max_size=3),
+    )
+
+
+@pytest.fixture(scope="module")
+def model(byte_model_dir):
+    return structkv.load(byte_model_dir)
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_public_api_returns_valid_results_or_clear_errors(model, data):
+    vocab = model.config.vocab_size
+    sane = data.draw(st.booleans(), label="sane")  # half the calls are valid, so results get checked too
+    prompt = data.draw(sane_prompts(vocab) if sane else prompts(vocab), label="prompt")
+    name, options = data.draw(method_calls(sane), label="method")
+    max_new = data.draw(st.integers(1, 6) if sane else st.one_of(st.integers(-1, 6), st.sampled_from([2.5, True, None])),
+                        label="max_new_tokens")
+    temperature = data.draw(st.sampled_from([0.0, 0.7] if sane else [0.0, -1.0, float("nan"), float("inf"), "hot"]),
+                            label="temperature")
+    use_state = data.draw(st.booleans(), label="state")
+    try:
+        method = methods.get(name, **options)
+        if use_state:
+            state = model.prefill(prompt, method, room=16)
+            assert torch.isfinite(state.logits).all()
+            question = data.draw(sane_prompts(vocab) if sane else prompts(vocab), label="question")
+            out = structkv.generate(model, question, state=state, max_new_tokens=max_new, temperature=temperature,
+                                    compile=False, seed=0)
+        else:
+            out = structkv.generate(model, prompt, method=method, max_new_tokens=max_new, temperature=temperature,
+                                    compile=False, seed=0)
+    except (ValueError, TypeError) as e:
+        assert str(e).strip(), "an error must say what is wrong"
+        event(f"refused: {type(e).__name__}")
+        return
+    event("generated")
+    rows = out.token_ids if out.token_ids and isinstance(out.token_ids[0], list) else [out.token_ids]
+    for row in rows:
+        assert len(row) <= max_new and all(0 <= t < vocab for t in row)
+    stats = out.stats
+    assert math.isfinite(stats["prefill_s"]) and stats["kv_cache_bytes"] > 0
+    for key in ("kv_entries_per_layer", "context_kv_entries_per_layer"):
+        if key in stats:
+            assert all(e > 0 for e in stats[key])  # every layer keeps at least its window / one token
