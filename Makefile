@@ -20,6 +20,7 @@ demo: venv
 
 # Two pytest processes: TRITON_INTERPRET must be set before Triton kernels are defined.
 test: venv
+	$(VENV)/bin/ruff check structkv tests benchmarks
 	$(PY) -m pytest -q -p no:cacheprovider -m "not triton_interpret"
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m triton_interpret
 

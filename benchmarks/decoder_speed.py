@@ -21,7 +21,7 @@ import torch
 
 import structkv
 from structkv.data import needle_prompt
-from structkv.generation import compiled
+from structkv.generation import compiled_prefill
 
 
 def hf_twin(model):
@@ -77,7 +77,7 @@ def main():
         if comp:
             torch._dynamo.mark_dynamic(tokens, 1, min=2, max=model.config.max_position_embeddings)
             torch._dynamo.mark_dynamic(pos, 1, min=2, max=model.config.max_position_embeddings)
-            return compiled("prefill")(model, tokens, pos)
+            return compiled_prefill()(model, tokens, pos)
         return model.prompt_pass(tokens, pos)
 
     rows = []
@@ -131,7 +131,8 @@ def main():
     print("| prompt tokens | structkv compiled (s) | structkv eager (s) | transformers sdpa (s) | HF / compiled |")
     print("|---|---|---|---|---|")
     for n in lengths:
-        c, e, h = (get(i, "prefill", n, "median_s") for i in ("structkv compiled", "structkv eager", "transformers sdpa"))
+        c, e, h = (get(i, "prefill", n, "median_s")
+                   for i in ("structkv compiled", "structkv eager", "transformers sdpa"))
         print(f"| {n} | {c:.2f} | {e:.2f} | {h:.2f} | {h / c:.2f}x |")
     assert tokens[True] == tokens[False], "the int8 head changed the greedy tokens"
     c, e, q, h = (get(i, "decode", args.decode_context, "median_tok_s")

@@ -83,7 +83,8 @@ def main():
           "| Triton extra MiB | torch extra MiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for n, dt, es, ee, good, tt, tr, mt, mr in rows:
-        print(f"| {n} | {dt} | {es:.1e} | {ee:.1e} | {good} | {tt:.3f} | {tr:.3f} | {tr / tt:.2f}x | {mt:.0f} | {mr:.0f} |")
+        print(f"| {n} | {dt} | {es:.1e} | {ee:.1e} | {good} | {tt:.3f} | {tr:.3f} | {tr / tt:.2f}x | "
+              f"{mt:.0f} | {mr:.0f} |")
     print(f"\ncompact_kv (N={N}, M={M}, bf16): identical={same}, Triton {t_ct:.3f} ms, aten {t_cr:.3f} ms")
     sys.exit(0 if ok else 1)
 

@@ -11,16 +11,15 @@ from __future__ import annotations
 import argparse
 
 import torch
+from needle_methods import build
 
 import structkv
+from structkv.compress import compress
 from structkv.data import needle_prompt
-from structkv.generation import encode_batch
 from structkv.models.decoder import run_block
 from structkv.modules import pool_scores
 from structkv.ops import window_scores
-from structkv.prefill import compress
-
-from needle_methods import build
+from structkv.prompts import encode_batch
 
 
 @torch.inference_mode()

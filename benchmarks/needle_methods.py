@@ -24,14 +24,7 @@ DEFAULT_METHODS = "full,streaming_llm,snapkv,pyramidkv,h2o,gemfilter,fastkv,stru
 
 
 def build(name: str, kv: float, struct: float):
-    if name == "full":
-        return methods.get("full")
-    opts = {"kv_budget": kv}
-    if name.startswith("structkv") and name != "structkv_coupled":
-        opts["r_struct"] = struct
-    if name == "fastkv":
-        opts["tsp_rate"] = struct
-    return methods.get(name, **opts)
+    return methods.get(name, **methods.budget_options(name, kv, struct))
 
 
 @torch.inference_mode()
@@ -53,7 +46,7 @@ def main():
     sink = open(args.jsonl, "w") if args.jsonl else None
     for name in args.methods.split(","):
         method = build(name, args.kv_budget, args.struct_budget)
-        found, fracs, kv_bytes, pivots, in_skeleton, secs = 0, [], [], Counter(), 0, []
+        found, fracs, kv_bytes, pivots, secs = 0, [], [], Counter(), []
         for nd in needles:
             t = time.perf_counter()
             out = structkv.generate(model, nd.prompt_ids, max_new_tokens=12, compile=False, method=method)

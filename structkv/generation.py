@@ -4,7 +4,7 @@ The decode step is compiled once per cache shape with `fullgraph=True` (the cach
 rounded up to a multiple of `kv_cache.CAPACITY_MULTIPLE`, so calls with similar lengths share it); the
 prefill is compiled with a dynamic prompt length, so one compile serves every prompt length.
 `compile=False` runs eager; the default "auto" compiles only what pays for the call
-(`structkv.compile_policy`). Prompts of a batch are left-padded: padding has position -1, so it
+(`structkv.compiling`). Prompts of a batch are left-padded: padding has position -1, so it
 is never a visible key and every row gets exactly what it would get alone.
 """
 from __future__ import annotations
@@ -16,15 +16,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compile_policy import mark_warm, should_compile_decode, use_persistent_cache
+from .compiling import compiled, mark_warm, should_compile_decode
 from .models.kv_cache import StackedKVCache, StaticKVCache, round_capacity
+from .prompts import encode_batch, ids_from_prompt, is_batch
+from .stats import PrefillStats
+from .timing import NO_TIMER, Timer, sync
 
 
 @dataclass
 class GenerationResult:
+    """The new text and token ids (lists for a batch), `prefill`: the typed stats of the
+    compressed prefill (of the context, when generating from a state; None for `full`), and
+    `stats`: one flat, read-only record of the call for tables and logs (the prefill's fields,
+    `context_*` for a state's, plus prompt and decode figures)."""
+
     text: str | list[str]
     token_ids: list[int] | list[list[int]]
     stats: dict = field(default_factory=dict)
+    prefill: PrefillStats | None = None
 
 
 def _prefill(model, tokens, positions):
@@ -35,78 +44,14 @@ def _decode(model, tokens, positions, cache):
     return model.decode_step(tokens, positions, cache)
 
 
-_COMPILED: dict = {}
+def compiled_prefill(backend="inductor"):
+    """The uncompressed prompt pass, compiled with a dynamic prompt length."""
+    return compiled(_prefill, backend, fullgraph=True)
 
 
-def compiled(kind: str, backend="inductor"):
-    """The compiled prefill or decode function for `backend` (created once per process)."""
-    key = (kind, backend)
-    if key not in _COMPILED:
-        use_persistent_cache()
-        # Every distinct model (and batch size) adds a cache entry for the same code object:
-        # raise dynamo's default limit of 8 so a process can serve several models.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        if kind == "prefill":
-            _COMPILED[key] = torch.compile(_prefill, fullgraph=True, backend=backend)
-        else:
-            _COMPILED[key] = torch.compile(_decode, fullgraph=True, dynamic=False, backend=backend)
-    return _COMPILED[key]
-
-
-PROMPT_TYPES = "a str, a list of int token ids, or a 1-D integer tensor or array"
-
-
-def _ids_from_prompt(model, prompt) -> list[int]:
-    if isinstance(prompt, (bytes, bytearray)):
-        raise TypeError("a prompt given as bytes is ambiguous (text or token ids?): pass text as str "
-                        "(prompt.decode('utf-8')) or ids as a list of int")
-    if prompt is None or isinstance(prompt, (bool, numbers.Number)):
-        raise TypeError(f"a prompt must be {PROMPT_TYPES}, got {type(prompt).__name__}")
-    if isinstance(prompt, str):
-        if model.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass token ids instead of text")
-        return model.tokenizer.encode(prompt)
-    if isinstance(prompt, torch.Tensor):
-        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.is_complex():
-            raise ValueError(f"a token tensor must be 1-D integer ids, got {prompt.dim()}-D {prompt.dtype}")
-        if prompt.device != model.device:
-            raise ValueError(f"prompt tensor is on {prompt.device} but the model is on {model.device}; move one of them")
-        return prompt.tolist()
-    if hasattr(prompt, "dtype") and hasattr(prompt, "ndim"):  # numpy arrays
-        if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
-            raise ValueError(f"a token array must be 1-D integer ids, got {prompt.ndim}-D {prompt.dtype}")
-    try:
-        ids = list(prompt)
-    except TypeError:
-        raise TypeError(f"a prompt must be {PROMPT_TYPES}, got {type(prompt).__name__}") from None
-    if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
-        raise ValueError(f"a prompt must be {PROMPT_TYPES}; this list holds non-integers")
-    return [int(i) for i in ids]
-
-
-def is_batch(prompt) -> bool:
-    """A list of prompts (texts or id lists), as opposed to one prompt given as a list of ids."""
-    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], numbers.Integral)
-
-
-def encode_batch(model, prompts) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Left-pad a batch: tokens (B, S), positions (B, S) with -1 on padding, and each row's length."""
-    rows = [_ids_from_prompt(model, p) for p in prompts]
-    cfg = model.config
-    for b, ids in enumerate(rows):
-        if not ids:
-            raise ValueError(f"prompt {b} is empty: give at least one token")
-        bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt {b} has token ids outside the vocabulary [0, {cfg.vocab_size}): {bad[:5]}")
-    S = max(len(r) for r in rows)
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-    tokens = torch.full((len(rows), S), pad, dtype=torch.long)
-    positions = torch.full((len(rows), S), -1, dtype=torch.long)
-    for b, ids in enumerate(rows):
-        tokens[b, S - len(ids):] = torch.tensor(ids)
-        positions[b, S - len(ids):] = torch.arange(len(ids))
-    return tokens.to(model.device), positions.to(model.device), [len(r) for r in rows]
+def compiled_decode(backend="inductor"):
+    """The decode step, compiled once per cache shape."""
+    return compiled(_decode, backend, fullgraph=True, dynamic=False)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
@@ -155,26 +100,28 @@ def _method(method):
 @torch.inference_mode()
 def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, stop_at_eos: bool = True, compile="auto", seed: int | None = None,
-             method=None, state=None, stream=None) -> GenerationResult:
+             method=None, state=None, stream=None, timing: bool = False) -> GenerationResult:
     """Generate a continuation of `prompt` (text, token ids, or a list of either for a batch).
 
     `method`: a compression method (`structkv.methods.get(...)`); None or `full` keeps every entry.
-    `state`: a `CompressedState` from `model.prefill(context, method)`; `prompt` is then a question
+    `state`: a `CompressedState` from `structkv.prefill(model, context, method)`; `prompt` is then a question
     appended to the compressed context (not compressed itself), on a copy of the cache.
     `compile`: True (inductor), False (eager), "auto" (compile only where it pays for this call,
-    `structkv.compile_policy`) or a torch.compile backend.
+    `structkv.compiling`) or a torch.compile backend.
     `stream`: called after every step with each row's new token id (None for a row that has
-    stopped), so text can be shown as it is produced. Returns the new text, the new token ids and
-    stats; a list prompt gives lists.
+    stopped), so text can be shown as it is produced. `timing`: time the compression's phases
+    (scoring, selection, cache fill; synchronises a GPU at each phase). Returns the new text, the
+    new token ids and stats; a list prompt gives lists.
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
     method = _method(method)
     if isinstance(prompt, (list, tuple)) and len(prompt) == 0:
         raise ValueError("prompt is empty: give text, token ids or a non-empty list of prompts")
     backend, decode_backend = _backends(model, compile, max_new_tokens)
-    decode = compiled("decode", decode_backend) if decode_backend else _decode
+    decode = compiled_decode(decode_backend) if decode_backend else _decode
     limit = model.config.max_position_embeddings
     stats: dict = {}
+    prefill = None
     t0 = time.perf_counter()
     if state is not None:
         if method is not None:
@@ -182,6 +129,7 @@ def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.
         cache, logits, next_pos, lengths = _extend_state(model, state, prompt, max_new_tokens)
         B = logits.shape[0]
         batched = B > 1
+        prefill = state.stats
         stats.update({f"context_{k}": v for k, v in state.stats.items()})
     else:
         batched = is_batch(prompt)
@@ -193,21 +141,23 @@ def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.
                 f"{limit} positions; shorten the prompt or ask for fewer tokens"
             )
         if method is not None and method.name != "full":
-            from .prefill import compress
+            from .compress import compress
 
-            compressed = compress(model, tokens, positions, method, room=max_new_tokens, compile=backend or False)
+            compressed = compress(model, tokens, positions, method, room=max_new_tokens, compile=backend or False,
+                                  timer=Timer() if timing else NO_TIMER)
             cache, logits, next_pos = compressed.cache, compressed.logits, compressed.next_positions
-            stats.update(compressed.stats)
+            prefill = compressed.stats
+            stats.update(compressed.stats.items())
         else:
             cache, logits = _full_prefill(model, tokens, positions, max_new_tokens, backend, decode_backend, limit)
             next_pos = torch.tensor(lengths, device=model.device)[:, None]  # (B, 1)
             stats["method"] = "full"
-    _sync(model.device)
+    sync(model.device)
     t1 = time.perf_counter()
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
     ids, steps = _decode_loop(model, logits, next_pos, cache, max_new_tokens, temperature, top_k, top_p,
                               stop_at_eos, generator, decode, stream)
-    _sync(model.device)
+    sync(model.device)
     t2 = time.perf_counter()
     texts = [model.tokenizer.decode(r) for r in ids] if model.tokenizer is not None else [None] * B
     stats.update({
@@ -223,8 +173,8 @@ def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.
     if decode_backend == "inductor":
         mark_warm(model, "decode")
     if batched:
-        return GenerationResult(texts, ids, stats)
-    return GenerationResult(texts[0], ids[0], stats)
+        return GenerationResult(texts, ids, stats, prefill)
+    return GenerationResult(texts[0], ids[0], stats, prefill)
 
 
 def _decode_loop(model, logits, next_pos, cache, max_new_tokens, temperature, top_k, top_p, stop_at_eos,
@@ -262,7 +212,7 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
                     top_p: float | None = None, stop_at_eos: bool = True, compile=True,
                     seed: int | None = None) -> list[GenerationResult]:
     """Continue several compressed prompts (`CompressedState`s, e.g. every method's state from
-    `structkv.prefill.compress_shared`) in one batched decode: their caches are stacked row-wise
+    `structkv.compress_shared`) in one batched decode: their caches are stacked row-wise
     (`StackedKVCache`), so each step reads the weights once for all of them. Each result equals
     `generate(model, ..., method=state.method)` alone; the states are not modified.
 
@@ -284,22 +234,23 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
         raise ValueError(f"prompt + {max_new_tokens} new tokens exceed the model's {limit} positions")
     logits = torch.cat([s.logits for s in states])  # (R, V)
     backend = "inductor" if compile is True else compile
-    decode = compiled("decode", backend) if backend else _decode
+    decode = compiled_decode(backend) if backend else _decode
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
     t1 = time.perf_counter()
     ids, steps = _decode_loop(model, logits, next_pos, cache, max_new_tokens, temperature, top_k, top_p,
                               stop_at_eos, generator, decode)
-    _sync(model.device)
+    sync(model.device)
     decode_s = time.perf_counter() - t1
     results, row = [], 0
     for state, b in zip(states, cache.rows):
         rows = ids[row:row + b]
         row += b
         texts = [model.tokenizer.decode(r) for r in rows] if model.tokenizer is not None else [None] * b
-        stats = {**state.stats, "new_tokens": steps, "decode_s": decode_s, "decode_rows": len(ids),
+        stats = {**state.stats.as_dict(), "new_tokens": steps, "decode_s": decode_s, "decode_rows": len(ids),
                  "decode_tokens_per_s": float("nan"),
                  "kv_cache_bytes": sum(layer.nbytes() for layer in state.cache.layers)}
-        results.append(GenerationResult(texts[0] if b == 1 else texts, rows[0] if b == 1 else rows, stats))
+        results.append(GenerationResult(texts[0] if b == 1 else texts, rows[0] if b == 1 else rows, stats,
+                                        state.stats))
     return results
 
 
@@ -350,7 +301,7 @@ def format_stats(stats: dict) -> str:
 def _backends(model, compile, max_new_tokens) -> tuple:
     """(prefill backend, decode backend) for `generate`'s `compile` argument; None = eager.
     "auto" runs the prefill eager and compiles the decode step only when it pays
-    (`structkv.compile_policy`)."""
+    (`structkv.compiling`)."""
     if compile == "auto":
         return None, ("inductor" if should_compile_decode(model, max_new_tokens) else None)
     backend = "inductor" if compile is True else (compile or None)
@@ -363,12 +314,12 @@ def _full_prefill(model, tokens, positions, max_new_tokens, backend, decode_back
     capacity = round_capacity(S + max_new_tokens)
     cache = StaticKVCache(model.config, B, capacity, model.dtype, model.device)
     if S == 1:  # a one-token prompt is a decode step (keeps the prefill graph dynamic, min length 2)
-        decode = compiled("decode", decode_backend) if decode_backend else _decode
+        decode = compiled_decode(decode_backend) if decode_backend else _decode
         return cache, decode(model, tokens, positions, cache)
     if backend:
         torch._dynamo.mark_dynamic(tokens, 1, min=2, max=limit)
         torch._dynamo.mark_dynamic(positions, 1, min=2, max=limit)
-    logits, kv = (compiled("prefill", backend) if backend else _prefill)(model, tokens, positions)
+    logits, kv = (compiled_prefill(backend) if backend else _prefill)(model, tokens, positions)
     for layer, (k, v) in zip(cache.layers, kv):
         layer.fill(k, v, positions)
     return cache, logits
@@ -384,7 +335,7 @@ def _extend_state(model, state, question, max_new_tokens):
             raise ValueError("this model has no tokenizer: pass the question as token ids")
         ids = model.tokenizer.encode(question, add_bos=False)
     else:
-        ids = _ids_from_prompt(model, question)
+        ids = ids_from_prompt(model, question)
     if not ids:
         raise ValueError("the question is empty: give at least one token")
     state.check_model(model)
@@ -393,7 +344,8 @@ def _extend_state(model, state, question, max_new_tokens):
         raise ValueError(f"the question has token ids outside the vocabulary [0, {model.config.vocab_size}): {bad[:5]}")
     end = int(state.next_positions.max()) + len(ids) + max_new_tokens - 1
     if end > model.config.max_position_embeddings:
-        raise ValueError(f"context ({int(state.next_positions.max())} tokens) + question ({len(ids)}) + {max_new_tokens} "
+        raise ValueError(f"context ({int(state.next_positions.max())} tokens) + question ({len(ids)}) + "
+                         f"{max_new_tokens} "
                          f"new tokens exceed the model's {model.config.max_position_embeddings} positions; "
                          "ask for fewer tokens or compress a shorter context")
     cache = state.cache.clone()
@@ -401,14 +353,9 @@ def _extend_state(model, state, question, max_new_tokens):
     free = min(layer.capacity - int(layer.cursor) for layer in cache.layers if layer.window is None)
     if len(ids) + max_new_tokens > free:
         raise ValueError(f"question ({len(ids)} tokens) + {max_new_tokens} new tokens exceed the {free} free cache "
-                         "slots of this state; call model.prefill(context, method, room=...) with more room")
+                         "slots of this state; call structkv.prefill(model, context, method, room=...) with more room")
     tokens = torch.tensor([ids], device=model.device).expand(B, -1)  # (B, S_q)
     positions = state.next_positions + torch.arange(len(ids), device=model.device)  # (B, S_q)
     logits = model.extend(tokens, positions, cache)
     lengths = [n + len(ids) for n in state.lengths]
     return cache, logits, positions[:, -1:] + 1, lengths
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

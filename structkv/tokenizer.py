@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers
+from tokenizers import AddedToken, decoders, models, normalizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from .files import read_json_object
 

@@ -23,7 +23,8 @@ _COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_
 
 TINY_CONFIGS = {
     "llama": lambda: __import__("transformers").LlamaConfig(
-        **_COMMON, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        **_COMMON, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                    "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
     "mistral": lambda: __import__("transformers").MistralConfig(**_COMMON, sliding_window=8, head_dim=16),
     "qwen2": lambda: __import__("transformers").Qwen2Config(**_COMMON, tie_word_embeddings=True),

@@ -4,10 +4,11 @@ import json
 import pytest
 
 import structkv
-from structkv import bench
 from structkv.cli import main
+from structkv.harness import bench
 
-FIELDS = {"method", "tokens", "prefill_s", "decode_tokens_per_s", "peak_bytes", "peak_total_bytes", "overhead_s", "overhead_share",
+FIELDS = {"method", "tokens", "prefill_s", "decode_tokens_per_s", "peak_bytes", "peak_total_bytes", "overhead_s",
+          "overhead_share",
           "scoring_s", "selection_s", "prefill_fraction", "tokens_per_layer", "pivot_layer", "kv_bytes",
           "kv_bytes_full_layers", "kv_budget_bytes", "kv_vs_budget", "kv_cache_bytes_after_decode"}
 

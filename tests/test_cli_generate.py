@@ -5,7 +5,7 @@ import sys
 import pytest
 
 import structkv
-from structkv import compile_policy, methods
+from structkv import compiling, methods
 from structkv.cli import main
 from structkv.generation import TextStream
 
@@ -75,8 +75,8 @@ def test_questions_answer_from_one_compressed_state(byte_model, byte_model_dir, 
     context = "Notes: the meeting is on Tuesday in room 4. " * 10
     questions = ["\nQ: When is the meeting?\nA:", "\nQ: Which room?\nA:"]
     calls = []
-    real = type(byte_model).prefill
-    monkeypatch.setattr(type(byte_model), "prefill", lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
+    real = structkv.prefill
+    monkeypatch.setattr(structkv, "prefill", lambda *a, **k: calls.append(a) or real(*a, **k))
     argv = [context, "--method", "snapkv", "--kv-budget", "0.3"] + [x for q in questions for x in ("-q", q)]
     assert _gen(byte_model_dir, *argv) == 0
     out, err = capsys.readouterr()
@@ -118,18 +118,18 @@ def test_auto_compile_runs_eager_until_it_pays(byte_model, monkeypatch):
     auto = structkv.generate(byte_model, "Hello", max_new_tokens=8, compile="auto")
     eager = structkv.generate(byte_model, "Hello", max_new_tokens=8, compile=False)
     assert auto.token_ids == eager.token_ids and auto.stats["compiled_parts"] == []
-    assert not compile_policy.should_compile_decode(byte_model, 100)
-    assert compile_policy.should_compile_decode(byte_model, compile_policy.DECODE_TOKENS_COLD)
-    assert not compile_policy.is_warm(byte_model)
-    monkeypatch.setattr(compile_policy, "DECODE_TOKENS_COLD", 4)  # make compiling "pay" for 8 tokens
+    assert not compiling.should_compile_decode(byte_model, 100)
+    assert compiling.should_compile_decode(byte_model, compiling.DECODE_TOKENS_COLD)
+    assert not compiling.is_warm(byte_model)
+    monkeypatch.setattr(compiling, "DECODE_TOKENS_COLD", 4)  # make compiling "pay" for 8 tokens
     comp = structkv.generate(byte_model, "Hello", max_new_tokens=8, compile="auto")
     assert comp.token_ids == eager.token_ids and comp.stats["compiled_parts"] == ["decode"]  # never the prefill
-    assert compile_policy.is_warm(byte_model)  # later processes use the warm threshold
-    assert compile_policy.should_compile_decode(byte_model, compile_policy.DECODE_TOKENS_WARM)
+    assert compiling.is_warm(byte_model)  # later processes use the warm threshold
+    assert compiling.should_compile_decode(byte_model, compiling.DECODE_TOKENS_WARM)
 
 
 def test_inductor_cache_goes_to_the_user_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    assert compile_policy.use_persistent_cache() == str(tmp_path / "cache" / "inductor")
+    assert compiling.use_persistent_cache() == str(tmp_path / "cache" / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    assert compile_policy.use_persistent_cache() == str(tmp_path / "mine")  # the caller's choice wins
+    assert compiling.use_persistent_cache() == str(tmp_path / "mine")  # the caller's choice wins

@@ -5,7 +5,7 @@ import pytest
 
 from structkv import methods
 from structkv.cli import main
-from structkv.eval import runner
+from structkv.harness.eval import runner
 
 pytest.importorskip("wonderwords", reason="RULER word lists: pip install 'structkv[eval]'")
 pytest.importorskip("matplotlib", reason="plots: pip install 'structkv[eval]'")

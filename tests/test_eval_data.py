@@ -6,12 +6,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
-from structkv.eval import longbench, ruler
-from structkv.eval.text import split_sentences
-from structkv.tokenizer import Tokenizer
-
 from conftest import byte_tokenizer_file
+
+from structkv.harness.eval import longbench, ruler
+from structkv.harness.eval.text import split_sentences
+from structkv.tokenizer import Tokenizer
 
 pytest.importorskip("wonderwords", reason="RULER word lists: pip install 'structkv[eval]'")
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")

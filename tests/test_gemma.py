@@ -1,5 +1,4 @@
 """The real model: Gemma 3 270M (GGUF from PyPI) against transformers, and a needle end to end."""
-import os
 
 import pytest
 import torch

@@ -1,12 +1,11 @@
 """Generation: compiled == eager, one compile per generation, sampling, and bad input."""
 import pytest
 import torch
+from conftest import ARCHS
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from structkv.generation import compiled
-
 import structkv
-from conftest import ARCHS
+from structkv.generation import compiled_prefill
 
 
 def _ids(n, seed=0):
@@ -21,7 +20,7 @@ def test_compiled_equals_eager(arch, tiny_dir):
     assert comp.token_ids == eager.token_ids
     tokens = torch.tensor([_ids(21)])
     with torch.inference_mode():  # the grad mode generate() runs in: no extra recompile
-        logits_comp, _ = compiled("prefill")(model, tokens, torch.arange(21)[None])
+        logits_comp, _ = compiled_prefill()(model, tokens, torch.arange(21)[None])
     logits_eager, _ = model.prompt_pass(tokens, torch.arange(21)[None])
     assert torch.allclose(logits_comp, logits_eager, atol=1e-4)
 

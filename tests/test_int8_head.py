@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import structkv
-from structkv.models.int8_head import BLOCK, Int8BlockHead, int8_head_logits
+from structkv.models.int8_head import Int8BlockHead
+from structkv.ops.int8_head import BLOCK, int8_head_logits
 
 
 def q8_matrix(V, E, seed=0):

@@ -6,12 +6,17 @@ from hypothesis import strategies as st
 
 import structkv
 from structkv import methods
-from structkv.generation import encode_batch
+from structkv.compress import compress
 from structkv.models import StaticKVCache
-from structkv.models.decoder import visible
-from structkv.modules import (CentralityTracker, PivotDetector, SkeletonPruner, calibrate_pivot, candidate_layers,
-                              select_tokens)
-from structkv.prefill import compress
+from structkv.modules import (
+    CentralityTracker,
+    PivotDetector,
+    SkeletonPruner,
+    calibrate_pivot,
+    candidate_layers,
+    select_tokens,
+)
+from structkv.prompts import encode_batch
 
 FULL_BUDGET = {"kv_budget": 1.0, "r_struct": 1.0, "tsp_rate": 1.0}
 
@@ -22,7 +27,8 @@ def _ids(n, seed=0):
 
 def _full_options(name):
     fields = {f for f in methods.get(name).describe()}
-    return {k: v for k, v in FULL_BUDGET.items() if k in fields and not (name == "structkv_coupled" and k == "r_struct")}
+    return {k: v for k, v in FULL_BUDGET.items()
+            if k in fields and not (name == "structkv_coupled" and k == "r_struct")}
 
 
 def _compress(model, ids, method, room=16):
@@ -163,13 +169,13 @@ def test_batch_rows_are_independent(name, llama):
 
 def test_compress_once_ask_many(llama):
     context, q1, q2 = _ids(80, seed=1), _ids(6, seed=8), _ids(9, seed=9)
-    state = llama.prefill(context, methods.StructKV(kv_budget=0.2), room=64)
+    state = structkv.prefill(llama, context, methods.StructKV(kv_budget=0.2), room=64)
     a1 = structkv.generate(llama, q1, state=state, max_new_tokens=6, stop_at_eos=False, compile=False)
     a2 = structkv.generate(llama, q2, state=state, max_new_tokens=6, stop_at_eos=False, compile=False)
     again = structkv.generate(llama, q1, state=state, max_new_tokens=6, stop_at_eos=False, compile=False)
     assert again.token_ids == a1.token_ids and len(a2.token_ids) == 6  # the state is not consumed
     # with the full method, context + question from a state equals the plain prompt
-    full_state = llama.prefill(context, methods.Full(), room=64)
+    full_state = structkv.prefill(llama, context, methods.Full(), room=64)
     via_state = structkv.generate(llama, q1, state=full_state, max_new_tokens=6, stop_at_eos=False, compile=False)
     plain = structkv.generate(llama, context + q1, max_new_tokens=6, stop_at_eos=False, compile=False)
     assert via_state.token_ids == plain.token_ids
@@ -389,8 +395,8 @@ def test_shared_selection_is_the_same_for_every_head(llama):
 def test_h2o_received_attention_equals_the_definition(block):
     """Causal query blocks read only the keys before their end; the sum equals the full softmax
     (every query against every key, masked) summed over queries and group heads."""
+    from structkv.modules import received_attention
     from structkv.ops.saliency import window_scores_naive
-    from structkv.prefill import received_attention
 
     g = torch.Generator().manual_seed(0)
     B, Hq, Hkv, n, D = 2, 4, 2, 70, 8

@@ -1,5 +1,4 @@
 """Custom ops: the chunked reference against the materialised definition, invariants, registration."""
-import math
 
 import pytest
 import torch
@@ -107,7 +106,8 @@ def test_opcheck_compact_kv(shape):
     if shape == "empty":
         M = 0
     idx = torch.stack([torch.randperm(N)[:M].sort().values for _ in range(B * H)]).view(B, H, M)
-    args = (torch.zeros(B, H, C, D), torch.zeros(B, H, C, D), torch.full((B, H, C), -1), torch.zeros(B, H, dtype=torch.long),
+    args = (torch.zeros(B, H, C, D), torch.zeros(B, H, C, D), torch.full((B, H, C), -1),
+            torch.zeros(B, H, dtype=torch.long),
             k, v, torch.arange(N)[None] + 100, idx)
     torch.library.opcheck(torch.ops.structkv.compact_kv.default, args)
 
@@ -205,10 +205,11 @@ def test_sliding_window_attention_op(S, window):
     """Blockwise sliding attention equals masked full attention, and the op registers cleanly."""
     import torch.nn.functional as F
 
-    from structkv.models.decoder import visible
+    from structkv.ops import visible
 
     g = torch.Generator().manual_seed(S)
-    q, k, v = torch.randn(2, 4, S, 8, generator=g), torch.randn(2, 2, S, 8, generator=g), torch.randn(2, 2, S, 8, generator=g)
+    q = torch.randn(2, 4, S, 8, generator=g)
+    k, v = torch.randn(2, 2, S, 8, generator=g), torch.randn(2, 2, S, 8, generator=g)
     pos = torch.arange(S).expand(2, S).clone()
     pos[1, : S // 3] = -1  # left padding in row 1
     out = torch.ops.structkv.sliding_window_attention(q, k, v, pos, window, 0.3)
@@ -224,10 +225,11 @@ def test_causal_attention_op_blocks_equal_one_masked_call(S, block, padded):
     for a token subset with gaps in its positions (what propagation feeds deeper layers)."""
     import torch.nn.functional as F
 
-    from structkv.models.decoder import visible
+    from structkv.ops import visible
 
     g = torch.Generator().manual_seed(S)
-    q, k, v = torch.randn(2, 4, S, 8, generator=g), torch.randn(2, 2, S, 8, generator=g), torch.randn(2, 2, S, 8, generator=g)
+    q = torch.randn(2, 4, S, 8, generator=g)
+    k, v = torch.randn(2, 2, S, 8, generator=g), torch.randn(2, 2, S, 8, generator=g)
     pos = (torch.arange(S) * 3 + 1).expand(2, S).clone()  # gaps: a kept subset of a longer prompt
     if padded:
         pos[1, : S // 3] = -1  # left padding in row 1 (blocked masked path); else the causal path

@@ -1,9 +1,9 @@
 """Differential tests: structkv's decoder against transformers' own forward, per architecture."""
 import pytest
 import torch
+from conftest import ARCHS, make_hf_model
 
 import structkv
-from conftest import ARCHS, make_hf_model
 
 PROMPT_LEN = 24  # longer than the sliding window (8) of the tiny Mistral / Gemma 3 configs
 
@@ -47,7 +47,7 @@ def test_bf16_close_to_fp32(arch, tiny_dir):
 def test_subset_with_original_positions_sees_restricted_attention(tiny_dir):
     """A subset of tokens fed with their original positions attends exactly like the full sequence
     restricted to those keys (the contract the pruning methods rely on)."""
-    from structkv.models.decoder import visible
+    from structkv.ops import visible
 
     model = structkv.load(tiny_dir("gemma3_text"))
     ids = _prompt()
@@ -82,8 +82,8 @@ def test_batch_left_padding_equals_alone(arch, tiny_dir):
 
 def test_decode_logits_match_full_forward(tiny_dir):
     """Cached decoding gives the same next-token logits as re-running the whole sequence."""
-    from structkv.generation import encode_batch
     from structkv.models import StaticKVCache
+    from structkv.prompts import encode_batch
 
     model = structkv.load(tiny_dir("mistral"))
     ids = _prompt(18)[0].tolist()

@@ -11,14 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import write_tiny_gemma_gguf
 
 import structkv
 from structkv import methods
-from structkv.files import write_text_atomic
 from structkv.cli import main
-from structkv.eval import runner
-
-from conftest import write_tiny_gemma_gguf
+from structkv.files import write_text_atomic
+from structkv.harness.eval import runner
 
 pytest.importorskip("wonderwords", reason="RULER word lists: pip install 'structkv[eval]'")
 ARGS = ["--methods", "full,snapkv", "--kv-budget", "0.3", "--lengths", "1024", "--tasks", "niah_single_1",
@@ -64,7 +63,8 @@ def test_resume_after_a_broken_last_line_keeps_every_record(finished, byte_model
         path.write_text(text.rstrip("\n"))
     assert main(["eval", "ruler", "--model", str(byte_model_dir), "--out", str(out), *ARGS]) == 0
     records = _lines(path)  # every line parses
-    assert len(records) == 6 and {r["key"] for r in records} == {r["key"] for r in _lines(finished / "predictions.jsonl")}
+    expected = {r["key"] for r in _lines(finished / "predictions.jsonl")}
+    assert len(records) == 6 and {r["key"] for r in records} == expected
     if damage != "hand_cut_whole_line_kept":
         assert "incomplete last line" in capsys.readouterr().err
 
@@ -129,7 +129,7 @@ def test_report_refuses_other_settings_and_can_write_nothing(finished, byte_mode
 def test_state_path_checks_positions_and_model(llama, tiny_dir):
     limit = llama.config.max_position_embeddings  # 256
     context = torch.randint(3, 96, (limit - 12,)).tolist()
-    state = llama.prefill(context, methods.get("snapkv", kv_budget=0.5), room=64)
+    state = structkv.prefill(llama, context, methods.get("snapkv", kv_budget=0.5), room=64)
     ok = structkv.generate(llama, [5, 6, 7, 8, 9], state=state, max_new_tokens=8, compile=False, stop_at_eos=False)
     assert len(ok.token_ids) == 8  # 244 + 5 + 8 - 1 = 256 positions: fits exactly
     with pytest.raises(ValueError, match="exceed the model's 256 positions"):
@@ -289,7 +289,8 @@ def test_api_traps(llama):
     assert by_name.token_ids == by_object.token_ids and by_name.stats["method"] == "snapkv"
     plain = structkv.generate(llama, ids, max_new_tokens=4, compile=False, stop_at_eos=False).token_ids
     for numpy_ids in ([np.int64(i) for i in ids], np.array(ids, dtype=np.int64), np.array(ids, dtype=np.int32)):
-        assert structkv.generate(llama, numpy_ids, max_new_tokens=4, compile=False, stop_at_eos=False).token_ids == plain
+        out = structkv.generate(llama, numpy_ids, max_new_tokens=4, compile=False, stop_at_eos=False)
+        assert out.token_ids == plain
     with pytest.raises(ValueError, match="1-D integer ids"):
         structkv.generate(llama, np.array(ids, dtype=np.float32), max_new_tokens=2, compile=False)
     with pytest.raises(TypeError, match="model name or path"):

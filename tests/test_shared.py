@@ -6,9 +6,11 @@ from hypothesis import strategies as st
 
 import structkv
 from structkv import methods
-from structkv.generation import encode_batch, generate_states
+from structkv.compress import compress
+from structkv.generation import generate_states
 from structkv.models.kv_cache import StackedKVCache
-from structkv.prefill import compress, compress_shared
+from structkv.prompts import encode_batch
+from structkv.shared import compress_shared
 
 
 def _ids(n, seed=0):

@@ -1,19 +1,32 @@
-"""The Method base class: budgets, validation and the hooks the prefill loop calls."""
+"""The Method base class: budgets, validation and the hooks the prefill loop calls.
+
+A method answers the loop's questions itself (`structkv.compress`, docs/methods.md):
+- `kv_plan(layout, lengths)`: which layers select their KV entries, and how many per row;
+- `kv_scores(view)`: at such a layer, the scores (B, H, n) that choose the entries (the window
+  is always kept on top, `select_tokens`);
+- `propagation(layout, lengths)`: an optional `Propagation` that observes every layer and may keep
+  only some tokens for the deeper layers (FastKV, StructKV) or restart on them (GemFilter);
+- `prefill_key()`: methods with equal keys compute the same hidden states (one shared lane).
+A new method is a small dataclass overriding these, plus a line in the registry.
+"""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
 
 from ..modules.selection import budget_tokens
 
 
-def resolve_layer(depth: float | int, cfg, scored: list[int], what: str) -> int:
+def resolve_layer(depth: float | int, layout, scored: list[int], what: str) -> int:
     """A layer index from an int, or from a depth fraction (float in [0, 1]) of the model.
 
     Methods that score at that layer need a full-attention layer: on hybrid models the nearest
     one (excluding the last layer) is taken, deeper on ties.
     """
-    L = cfg.num_layers
+    L = layout.num_layers
     if isinstance(depth, bool) or not isinstance(depth, (int, float)):
         raise ValueError(f"{what} must be a layer index (int) or a depth fraction (float), got {depth!r}")
     if isinstance(depth, float):
@@ -29,6 +42,16 @@ def resolve_layer(depth: float | int, cfg, scored: list[int], what: str) -> int:
     return depth
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What the methods need to know of a model: its depth and which layers attend to every token
+    (the others are sliding-window layers, never scored). A `ModelConfig` is one; build this for a
+    model of your own."""
+
+    num_layers: int
+    full_attention_layers: list[int]
+
+
 @dataclass
 class Method:
     """Base: keep everything. Subclasses set the class attributes and override hooks.
@@ -42,8 +65,10 @@ class Method:
 
     name = "full"
     compresses_kv = False  # per-layer KV selection
-    needs_scores = False  # window_scores at full-attention layers
     min_window = 0  # methods scored by the observation window need at least one query
+    # The field that holds the structural (propagation) budget R_struct, for the harnesses that
+    # speak in R_KV / R_struct (eval, bench); None: the method has none.
+    struct_budget_option: ClassVar[str | None] = None
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -84,13 +109,31 @@ class Method:
         w = getattr(self, "window", 0)
         return [max(k, min(w, n)) for k, n in zip(keep, lengths.tolist())]
 
-    def layer_keep(self, layer: int, cfg, lengths, base: list[int]) -> list[int]:
+    def layer_keep(self, layer: int, layout, lengths, base: list[int]) -> list[int]:
         """Per-layer budget (PyramidKV overrides)."""
         return base
 
+    # ------------------------------------------------------------------ hooks of the prefill loop
+    def kv_plan(self, layout, lengths) -> dict[int, list[int]]:
+        """Entries kept per row at each layer that selects its KV (the full-attention layers of a
+        compressing method); layers not in the plan keep every entry (sliding layers: their ring)."""
+        if not self.compresses_kv:
+            return {}
+        base = self.kv_keep(lengths)
+        return {i: self.layer_keep(i, layout, lengths, base) for i in layout.full_attention_layers}
+
+    def kv_scores(self, view) -> torch.Tensor:
+        """Scores (B, H, n) of the current tokens at a planned layer, higher = keep; H = Hkv (per
+        KV head) or 1 (one selection for all heads)."""
+        raise NotImplementedError(f"{self.name} plans KV selection but defines no kv_scores")
+
+    def propagation(self, layout, lengths):
+        """A `structkv.modules.Propagation` for this prompt, or None (every token reaches the end)."""
+        return None
+
     def prefill_key(self) -> tuple:
         """Methods with equal keys compute the same hidden states to the last layer (they differ only
-        in what each layer's cache keeps): one lane of `structkv.prefill.compress_shared`. Methods
+        in what each layer's cache keeps): one lane of `structkv.shared.compress_shared`. Methods
         that keep every token to the last layer share ("all",)."""
         return ("all",)
 

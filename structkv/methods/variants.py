@@ -1,10 +1,15 @@
-"""The methods: defaults follow docs/algorithm.md (FastKV's harness where StructKV is silent)."""
+"""The methods, one small dataclass each: defaults follow docs/algorithm.md and docs/methods.md (FastKV's
+harness where StructKV is silent)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
-from .base import Method
+import torch
+
+from ..modules import FixedLayerPropagation, RestartPropagation, StructKVCompressor, budget_tokens, pooled_saliency
+from .base import Method, resolve_layer
 
 
 @dataclass
@@ -25,6 +30,12 @@ class StreamingLLM(Method):
     name = "streaming_llm"
     compresses_kv = True
 
+    def kv_scores(self, view):
+        """The first `sinks` real tokens first, then the most recent (higher position = keep)."""
+        pos = view.positions
+        rank = view.valid.long().cumsum(1) - 1  # (B, n) index among real tokens
+        return torch.where(rank < self.sinks, torch.full_like(pos, 1 << 40), pos).float()[:, None]  # (B, 1, n)
+
 
 @dataclass
 class WindowScored(Method):
@@ -37,8 +48,12 @@ class WindowScored(Method):
     pooling: str | None = "max"
     per_head: bool = True
     compresses_kv = True
-    needs_scores = True
     min_window = 1
+
+    def kv_scores(self, view):
+        saliency, _ = view.window_scores(self.window)
+        scores = pooled_saliency(saliency, self.window, self.kernel, self.pooling)  # (B, Hkv, n)
+        return scores if self.per_head else scores.sum(1, keepdim=True)
 
 
 @dataclass
@@ -61,9 +76,9 @@ class PyramidKV(SnapKV):
             raise ValueError(f"pyramidkv: beta must be a finite number >= 1 (1 = the same budget at every layer, "
                              f"larger = steeper), got {self.beta!r}")
 
-    def layer_keep(self, layer, cfg, lengths, base):
+    def layer_keep(self, layer, layout, lengths, base):
         """kvpress/PyramidKV schedule over the scored layers: max at the first, min at the last."""
-        scored = cfg.full_attention_layers
+        scored = layout.full_attention_layers
         if layer not in scored or len(scored) < 2:
             return base
         j, m = scored.index(layer), len(scored)
@@ -88,7 +103,10 @@ class H2O(Method):
     per_head: bool = True
     name = "h2o"
     compresses_kv = True
-    needs_scores = True
+
+    def kv_scores(self, view):
+        scores = view.received_attention()  # (B, Hkv, n)
+        return scores if self.per_head else scores.sum(1, keepdim=True)
 
 
 @dataclass
@@ -105,6 +123,10 @@ class GemFilter(Method):
     def prefill_key(self):
         return ("gemfilter", id(self))  # its re-run depends on kv_budget: never shared
 
+    def propagation(self, layout, lengths):
+        layer = resolve_layer(self.filter_layer, layout, layout.full_attention_layers, "filter_layer")
+        return RestartPropagation(layer, budget_tokens(self.kv_budget, lengths, "gemfilter kv_budget"), self.kernel)
+
 
 @dataclass
 class FastKV(WindowScored):
@@ -113,9 +135,15 @@ class FastKV(WindowScored):
     tsp_layer: float | int = 15 / 32
     tsp_rate: float | int = 0.2
     name = "fastkv"
+    struct_budget_option: ClassVar[str] = "tsp_rate"
 
     def prefill_key(self):
         return ("fastkv", self.tsp_layer, self.tsp_rate, self.window, self.kernel, self.pooling)
+
+    def propagation(self, layout, lengths):
+        layer = resolve_layer(self.tsp_layer, layout, layout.full_attention_layers, "tsp_layer")
+        keep = self.fit_window(budget_tokens(self.tsp_rate, lengths, "fastkv tsp_rate"), lengths)
+        return FixedLayerPropagation(layer, keep, self.window, self.kernel, self.pooling)
 
 
 @dataclass
@@ -132,6 +160,18 @@ class StructKV(WindowScored):
     depth_range: tuple[float, float] = (0.3, 0.6)
     weights: tuple[float, float, float] = (0.2, 0.3, 0.5)
     name = "structkv"
+    struct_budget_option: ClassVar[str] = "r_struct"
+
+    def propagation(self, layout, lengths):
+        """StructKV's compressor: centrality over the scored layers, the pivot (detected per row or
+        fixed), the skeleton of `r_struct` tokens; the detector's top-k mass uses k = R_struct."""
+        scored = layout.full_attention_layers
+        keep = self.fit_window(budget_tokens(self.r_struct, lengths, "structkv r_struct"), lengths)
+        pivot = None if self.pivot == "dynamic" else resolve_layer(self.pivot, layout, scored, "pivot")
+        ratio = self.r_struct if isinstance(self.r_struct, float) else self.r_struct / max(lengths.tolist())
+        return StructKVCompressor(layout.num_layers, scored, keep, window=self.window, kernel=self.kernel,
+                                  pooling=self.pooling, decay=self.decay, pivot=pivot, depth_range=self.depth_range,
+                                  weights=self.weights, topk_ratio=ratio)
 
     def prefill_key(self):
         return ("structkv", self.r_struct, self.decay, self.pivot, tuple(self.depth_range), tuple(self.weights),
@@ -142,7 +182,8 @@ class StructKV(WindowScored):
         if not 0.0 <= self.decay <= 1.0:
             raise ValueError(f"structkv: decay must be in [0, 1], got {self.decay}")
         if isinstance(self.pivot, str) and self.pivot != "dynamic":
-            raise ValueError(f"structkv: pivot must be 'dynamic', a layer index or a depth fraction, got {self.pivot!r}")
+            raise ValueError(f"structkv: pivot must be 'dynamic', a layer index or a depth fraction, "
+                             f"got {self.pivot!r}")
         w = self.weights
         if (not isinstance(w, (tuple, list)) or len(w) != 3
                 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
@@ -151,5 +192,6 @@ class StructKV(WindowScored):
                              f"variance), got {w!r}")
         r = self.depth_range
         if (not isinstance(r, (tuple, list)) or len(r) != 2
-                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in r) or not 0 <= r[0] <= r[1] <= 1):
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in r)
+                or not 0 <= r[0] <= r[1] <= 1):
             raise ValueError(f"structkv: depth_range must be two fractions 0 <= lo <= hi <= 1, got {r!r}")

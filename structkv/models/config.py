@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -140,7 +144,8 @@ class ModelConfig:
         if layer_types is None:
             if gemma:
                 pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6
-                layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
+                layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                               for i in range(n_layers)]
             elif model_type == "mistral" and sliding_window:
                 layer_types = ["sliding_attention"] * n_layers
             elif model_type in ("qwen2", "qwen3") and d.get("use_sliding_window") and sliding_window:
@@ -158,7 +163,8 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos):
-            raise ValueError(f"config field 'eos_token_id' must be a token id or a list of them, got {d['eos_token_id']!r}")
+            raise ValueError(f"config field 'eos_token_id' must be a token id or a list of them, "
+                             f"got {d['eos_token_id']!r}")
         act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
         act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act)
         if act is None:

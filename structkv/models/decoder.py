@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.attention import CAUSAL_BLOCK, causal_attention, sliding_window_attention, visible
 from .config import ModelConfig, inv_frequencies
 
 
@@ -54,23 +55,6 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rotate_half(x) * sin
-
-
-def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Which keys each query may attend to, from original positions.
-
-    q_pos: (B, S); k_pos: (B, T) or (B, Hkv, T), -1 for padding / empty slots.
-    Returns bool (B, 1, S, T) or (B, Hkv, S, T). A key is visible iff it is valid, not in the
-    future of the query, and (sliding layers) fewer than `window` positions behind it.
-    """
-    if k_pos.dim() == 2:
-        k_pos = k_pos[:, None]  # (B, 1, T)
-    q = q_pos[:, None, :, None]  # (B, 1, S, 1)
-    k = k_pos[:, :, None, :]  # (B, H, 1, T)
-    mask = (k >= 0) & (k <= q)
-    if window is not None:
-        mask = mask & (q - k < window)
-    return mask
 
 
 class Attention(nn.Module):
@@ -120,90 +104,13 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # (B, S, Hq*D) -> (B, S, E)
 
 
-def sliding_self_attention(q, k, v, positions: torch.Tensor, window: int, scale: float) -> torch.Tensor:
-    """Self-attention of a sliding-window layer in blocks of W queries over 2W keys: O(S*W), not O(S^2).
-
-    q (B, Hq, S, D), k, v (B, Hkv, S, D), positions (B, S) -> (B, Hq, S, D). Exact for any token
-    subset: positions increase with the index, so a key fewer than W positions back is fewer than
-    W indices back, i.e. in the query's block or the one before. Registered as an opaque op
-    (`structkv::sliding_window_attention`) so a compiled prefill stays dynamic in S.
-    """
-    B, Hq, S, D = q.shape
-    Hkv, W = k.shape[1], window
-    if S <= 2 * W:  # short: blocks would not save work, one masked call is cheaper
-        mask = visible(positions, positions, W)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    nb = (S + W - 1) // W
-    pad = nb * W - S
-    q = F.pad(q, (0, 0, 0, pad))  # (B, Hq, nb*W, D)
-    k = F.pad(k, (0, 0, W, pad))  # one block of empty keys in front: (B, Hkv, (nb+1)*W, D)
-    v = F.pad(v, (0, 0, W, pad))
-    q_pos = F.pad(positions, (0, pad), value=-1)  # (B, nb*W)
-    k_pos = F.pad(positions, (W, pad), value=-1)  # (B, (nb+1)*W)
-    qb = q.view(B, Hq, nb, W, D).transpose(1, 2).reshape(B * nb, Hq, W, D)  # (B*nb, Hq, W, D)
-    kb = k.unfold(2, 2 * W, W).permute(0, 2, 1, 4, 3).reshape(B * nb, Hkv, 2 * W, D)  # (B*nb, Hkv, 2W, D)
-    vb = v.unfold(2, 2 * W, W).permute(0, 2, 1, 4, 3).reshape(B * nb, Hkv, 2 * W, D)
-    mask = visible(q_pos.view(B * nb, W), k_pos.unfold(1, 2 * W, W).reshape(B * nb, 2 * W), W)  # (B*nb, 1, W, 2W)
-    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.view(B, nb, Hq, W, D).transpose(1, 2).reshape(B, Hq, nb * W, D)[:, :, :S]  # (B, Hq, S, D)
-
-
-@torch.library.custom_op("structkv::sliding_window_attention", mutates_args=())
-def _sliding_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int,
-                scale: float) -> torch.Tensor:
-    return sliding_self_attention(q, k, v, positions, window, scale).contiguous()
-
-
-def _shaped_like_q(q, *args):
-    """Fake (meta) implementation of both attention ops: the output has q's shape."""
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-
-_sliding_op.register_fake(_shaped_like_q)
-
-
-CAUSAL_BLOCK = 2048  # queries per block of full-attention prefill
-
-
-def causal_self_attention(q, k, v, positions: torch.Tensor, scale: float, block: int = CAUSAL_BLOCK) -> torch.Tensor:
-    """Self-attention of a full-attention layer without an (S, S) mask. Rows without padding whose
-    positions increase (a whole prompt, or a kept subset of one) take SDPA's causal path; otherwise
-    blocks of `block` queries attend over the keys up to the block's end with a (block, end) mask.
-
-    q (B, Hq, S, D), k, v (B, Hkv, S, D), positions (B, S) -> (B, Hq, S, D). Exact for any token
-    subset whose positions increase with the index (padding, -1, first): a key after a query's
-    block is in its future. Registered as an opaque op (`structkv::causal_attention`).
-    """
-    S = q.shape[2]
-    if bool((positions[:, :1] >= 0).all()) and bool((positions[:, 1:] > positions[:, :-1]).all()):
-        # No padding and increasing positions: position order is index order, so the mask is the
-        # causal triangle and SDPA's causal kernels skip the future blocks without any mask.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    outs = []  # one block when S <= block
-    for start in range(0, S, block):
-        end = min(S, start + block)
-        mask = visible(positions[:, start:end], positions[:, :end], None)  # (B, 1, block, end)
-        outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], attn_mask=mask,
-                                                   scale=scale, enable_gqa=True))
-    return torch.cat(outs, dim=2)
-
-
-@torch.library.custom_op("structkv::causal_attention", mutates_args=())
-def _causal_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
-               block: int) -> torch.Tensor:
-    return causal_self_attention(q, k, v, positions, scale, block).contiguous()
-
-
-_causal_op.register_fake(_shaped_like_q)
-
-
 def self_attention(attn: "Attention", q, k, v, positions: torch.Tensor) -> torch.Tensor:
     """Attention of the tokens over themselves: (B, S, E), blockwise through opaque ops (their
     block arithmetic on a dynamic length would otherwise add shape guards to a compiled prefill)."""
     if attn.window is not None:
-        out = _sliding_op(q, k, v, positions, attn.window, attn.scale)  # (B, Hq, S, D)
+        out = sliding_window_attention(q, k, v, positions, attn.window, attn.scale)  # (B, Hq, S, D)
     else:
-        out = _causal_op(q, k, v, positions, attn.scale, CAUSAL_BLOCK)  # (B, Hq, S, D)
+        out = causal_attention(q, k, v, positions, attn.scale, CAUSAL_BLOCK)  # (B, Hq, S, D)
     B, _, S, _ = out.shape
     return attn.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # (B, S, E)
 
@@ -271,7 +178,9 @@ class Backbone(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Causal LM. `forward` is the plain full-sequence pass; `prefill`/`decode_step` serve generation."""
+    """Causal LM. `forward` is the plain full-sequence pass; `prompt_pass`, `decode_step` and
+    `extend` serve generation (`structkv.generate`); compression runs layer by layer through
+    `run_block` (`structkv.compress`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -297,9 +206,9 @@ class Decoder(nn.Module):
     def use_int8_head(self) -> "Decoder":
         """Compute one row's next-token logits from an exact int8 copy of the LM head
         (`Int8BlockHead`): GGUF Q8_0 heads (Gemma 3 270M's) are int8 blocks, so single-stream decode
-        reads 4x fewer head bytes for the same numbers (Gemma 3 270M at 4K: 26.2 vs 18.3 tok/s on
-        2 CPU cores). Batches keep the float head. Raises if the head is not exactly int8 blocks;
-        costs 1/4 of the head's bytes in memory. Returns the model."""
+        reads 4x fewer head bytes for the same numbers (speed: docs/benchmarks.md). Batches keep the
+        float head. Raises if the head is not exactly int8 blocks; costs 1/4 of the head's bytes in
+        memory. Returns the model."""
         from .int8_head import Int8BlockHead
 
         self.int8_head = Int8BlockHead.from_weight(self.lm_head.weight)
@@ -327,8 +236,8 @@ class Decoder(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (..., V) of hidden states (..., E). On CPU, 5 to 15 rows (B, E) go as W @ h^T: the
-        GEMM for (B, E) @ (E, V) at those B is up to 2.5x slower at Gemma's 262K vocabulary (measured,
-        torch 2.13 CPU), and a stacked decode of many methods' rows runs it every step."""
+        GEMM for (B, E) @ (E, V) at those B is much slower at a large vocabulary on torch's CPU
+        kernels (docs/benchmarks.md), and a stacked decode of many methods' rows runs it every step."""
         h = self.model.norm(h)
         if self.int8_head is not None and h.dim() == 2 and h.shape[0] == 1:  # decode of one row
             return self.int8_head.logits(h)
@@ -371,15 +280,6 @@ class Decoder(nn.Module):
             h, k, v = self.layer_forward(i, h, positions, rope)
             kv.append((k, v))
         return self.logits(h[:, -1]), kv
-
-    def prefill(self, context, method=None, *, room: int = 256):
-        """Compress once, ask many: prefill `context` (text, ids or a batch) with `method` and
-        return a reusable `CompressedState`; pass it to `structkv.generate(..., state=...)`."""
-        from ..generation import encode_batch, is_batch
-        from ..prefill import compress
-
-        tokens, positions, _ = encode_batch(self, context if is_batch(context) else [context])
-        return compress(self, tokens, positions, method, room=room)
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         """One new token per row: tokens, positions (B, 1) -> logits (B, V).

@@ -71,7 +71,8 @@ def gguf_config(fields: dict) -> ModelConfig:
     n_layers = need(p + "block_count")
     eos = fields.get("tokenizer.ggml.eos_token_id")
     tokens = fields.get("tokenizer.ggml.tokens") or []
-    eos_ids = tuple(i for i in (eos, tokens.index("<end_of_turn>") if "<end_of_turn>" in tokens else None) if i is not None)
+    turn_end = tokens.index("<end_of_turn>") if "<end_of_turn>" in tokens else None
+    eos_ids = tuple(i for i in (eos, turn_end) if i is not None)
     head_dim = need(p + "attention.key_length")
     return ModelConfig(
         model_type="gemma3_text",

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-BLOCK = 32
+from ..ops.int8_head import BLOCK, int8_head_logits
 
 
 class Int8BlockHead(nn.Module):
@@ -49,28 +49,3 @@ class Int8BlockHead(nn.Module):
         if h.shape[0] == 1:
             return int8_head_logits(h.float().contiguous(), self.codes, self.scales)
         return F.linear(h.float(), self.dequantize())
-
-
-def _fused_row_logits(h: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """h (1, E) -> (1, V): per block, sum of code * h, times the block scale, summed over blocks."""
-    V, nb = scales.shape
-    inner = (h.view(1, 1, nb, BLOCK) * codes.view(1, V, nb, BLOCK)).sum(-1)  # (1, V, nb)
-    return (inner * scales).sum(-1)  # (1, V)
-
-
-_COMPILED = []
-
-
-@torch.library.custom_op("structkv::int8_head_logits", mutates_args=())
-def int8_head_logits(h: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """One row's logits from int8 blocks. Opaque to an enclosing compiled graph and compiled on its
-    own: inside the decode graph inductor fused the final norm into this loop (recomputed per
-    vocabulary row) and lost the gain; alone it is one loop reading the int8 codes once."""
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(_fused_row_logits, dynamic=False, fullgraph=True))
-    return _COMPILED[0](h, codes, scales)
-
-
-@int8_head_logits.register_fake
-def _(h, codes, scales):
-    return h.new_empty(h.shape[0], codes.shape[0], dtype=torch.float32)

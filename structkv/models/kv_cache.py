@@ -1,14 +1,25 @@
-"""Static, preallocated KV cache: fixed capacity per layer plus the original position of every slot.
+"""The KV caches: static, preallocated, one `LayerKVCache` per layer with the original position of
+every slot.
 
+The interface the decoder's decode step depends on (`KVCache`): `layers[i]` holds `k`, `v`
+(B, Hkv, C, D), `pos` (B, Hkv, C) and `window`, and `write(k, v, positions)` appends in place.
 Positions are stored per (batch row, KV head, slot) so that caches whose heads keep different
 tokens (budgeted caches) use the same decode step: the mask comes from `pos`, -1 = empty slot.
 Sliding-window layers keep a ring of exactly `window` slots (slot = position % window): a query
 can never see further back, so the ring is exact and decode reads W entries, not the whole context.
+
+- `StaticKVCache`: one capacity for every full-attention layer (uncompressed generation);
+- `BudgetedKVCache`: a capacity per layer, filled at prefill from each layer's selected entries;
+- `StackedKVCache`: the rows of several caches as one batch (one decode for many methods).
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
+
+from ..ops import compact_kv
 
 # Cache capacities are rounded up to a multiple of this, so prompts of similar length share one
 # compiled decode graph (the extra slots stay empty, position -1, never attended to).
@@ -92,11 +103,42 @@ class LayerKVCache(nn.Module):
         self.pos.index_put_(where, positions[:, None, :].expand(B, H, S))
 
     def nbytes(self) -> int:
-        """Bytes of K and V."""
+        """Bytes of K and V allocated."""
         return 2 * self.k.numel() * self.k.element_size()
 
+    def entries(self) -> int:
+        """Valid (non-empty) entries, summed over batch rows and KV heads."""
+        return int((self.pos >= 0).sum())
 
-class StaticKVCache(nn.Module):
+
+class KVCache(nn.Module):
+    """What every cache offers: `layers`, and accounting of what is kept and what is allocated."""
+
+    layers: nn.ModuleList
+
+    def entries(self) -> list[int]:
+        """Valid entries per layer, summed over batch rows and KV heads."""
+        return [layer.entries() for layer in self.layers]
+
+    def nbytes(self, used: bool = True) -> list[int]:
+        """K+V bytes per layer: of the valid entries (used=True) or of the allocated buffers."""
+        out = []
+        for layer in self.layers:
+            per_entry = 2 * layer.k.shape[-1] * layer.k.element_size()
+            out.append(per_entry * (layer.entries() if used else layer.pos.numel()))
+        return out
+
+    def free(self) -> int:
+        """Tokens that can still be appended to every row (rings never fill)."""
+        return min((layer.capacity - int(layer.cursor) for layer in self.layers if layer.window is None),
+                   default=1 << 30)
+
+    def clone(self) -> "KVCache":
+        """An independent copy (compress once, ask many: each question extends its own copy)."""
+        return copy.deepcopy(self)
+
+
+class StaticKVCache(KVCache):
     """One `LayerKVCache` per layer: `capacity` slots for full-attention layers, a window-sized ring
     for sliding-window layers."""
 
@@ -108,19 +150,67 @@ class StaticKVCache(nn.Module):
             for i in range(cfg.num_layers)
         )
 
-    @property
-    def capacity(self) -> int:
-        return max(layer.capacity for layer in self.layers)
+
+class BudgetedKVCache(KVCache):
+    """A capacity per layer, filled at prefill from each layer's own selection (`compact_kv`) and
+    appended to at decode at the layer's cursor; a sliding layer whose window is smaller than its
+    capacity keeps its exact window as a ring. All shapes are static, so the compiled decode step
+    compiles once, whatever the budgets.
+
+    Args: batch B, num_kv_heads Hkv, head_dim D; capacities: slots per layer; rings: the window of
+    each layer kept as a ring (None = a plain buffer). `for_model` sizes it from a model config.
+    """
+
+    def __init__(self, batch: int, num_kv_heads: int, head_dim: int, capacities: list[int],
+                 rings: list[int | None], dtype, device):
+        super().__init__()
+        if len(capacities) != len(rings):
+            raise ValueError(f"need one ring setting per layer: {len(capacities)} capacities, {len(rings)} rings")
+        self.layers = nn.ModuleList(LayerKVCache(batch, num_kv_heads, capacity, head_dim, dtype, device, window=ring)
+                                    for capacity, ring in zip(capacities, rings))
+
+    @classmethod
+    def for_model(cls, cfg, batch: int, budgets: list[int], room: int, dtype, device) -> "BudgetedKVCache":
+        """`budgets`: entries kept at prefill per layer (max over rows); `room`: slots for tokens
+        appended later (generated and question tokens). Capacities are rounded up like every cache; a
+        sliding layer is a ring of its window when prompt and room would not fit the window."""
+        if len(budgets) != cfg.num_layers:
+            raise ValueError(f"need one budget per layer ({cfg.num_layers}), got {len(budgets)}")
+        windows = [cfg.window(i) for i in range(cfg.num_layers)]
+        rings = [w if w is not None and w < b + room else None for w, b in zip(windows, budgets)]
+        return cls(batch, cfg.num_kv_heads, cfg.head_dim, [round_capacity(b + room) for b in budgets], rings,
+                   dtype, device)
+
+    def fill(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+             indices: torch.Tensor | None, check: bool = True) -> None:
+        """Store layer `layer`'s prompt entries: all of them (indices None, or a ring layer) or the
+        selected ones, indices (B, Hkv, M) sorted with -1 left padding. `check`: validate the index
+        lists (a host sync; callers that built them with `select_tokens` may skip it)."""
+        cache = self.layers[layer]
+        if indices is None or cache.window is not None:
+            cache.fill(k, v, positions)
+            return
+        lengths = torch.empty(indices.shape[:2], dtype=torch.long, device=indices.device)  # (B, Hkv), unused
+        compact_kv(cache.k, cache.v, cache.pos, lengths, k, v, positions, pads_last(indices), check=check)
+        cache.cursor.fill_(indices.shape[-1])
 
 
-class StackedKVCache(nn.Module):
+def pads_last(indices: torch.Tensor) -> torch.Tensor:
+    """Move -1 entries from the front to the end (the layout `compact_kv` expects)."""
+    big = torch.iinfo(torch.long).max
+    moved = torch.where(indices < 0, torch.full_like(indices, big), indices).sort(-1).values
+    return torch.where(moved == big, torch.full_like(moved, -1), moved)
+
+
+class StackedKVCache(KVCache):
     """The rows of several caches of one model as one batch, so one decode step serves them all
     (e.g. every method's compressed prompt: the weights are read once per step, not once per method).
 
     Full-attention layers are padded to a common capacity (the largest cursor plus the smallest free
-    room, rounded up like every cache) and written at the largest cursor: a row with fewer entries keeps empty slots (position -1,
-    never attended to). Sliding layers become rings of the window when any row has one: a row whose
-    layer is not a ring holds fewer than `window` positions, all of which fit the ring.
+    room, rounded up like every cache) and written at the largest cursor: a row with fewer entries
+    keeps empty slots (position -1, never attended to). Sliding layers become rings of the window
+    when any row has one: a row whose layer is not a ring holds fewer than `window` positions, all
+    of which fit the ring.
     """
 
     def __init__(self, caches: list):
@@ -131,11 +221,6 @@ class StackedKVCache(nn.Module):
             raise ValueError("caches of different models (layer counts differ) cannot be stacked")
         self.layers = nn.ModuleList(_stack_layer([c.layers[i] for c in caches]) for i in range(len(caches[0].layers)))
         self.rows = [c.layers[0].k.shape[0] for c in caches]
-
-    def free(self) -> int:
-        """Tokens that can still be appended to every row (rings never fill)."""
-        return min((layer.capacity - int(layer.cursor) for layer in self.layers if layer.window is None),
-                   default=1 << 30)
 
 
 def _stack_layer(parts: list[LayerKVCache]) -> LayerKVCache:

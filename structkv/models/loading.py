@@ -123,7 +123,8 @@ def load_folder(folder: Path, *, dtype=None, device="cpu", check_weights: bool =
     gen_path = folder / "generation_config.json"
     if gen_path.exists():  # generation_config's eos list is what generation should stop at
         eos = read_json_object(gen_path).get("eos_token_id")
-        if not (eos is None or isinstance(eos, int) or (isinstance(eos, list) and all(isinstance(e, int) for e in eos))):
+        if not (eos is None or isinstance(eos, int)
+                or (isinstance(eos, list) and all(isinstance(e, int) for e in eos))):
             raise ValueError(f"{gen_path}: field 'eos_token_id' must be a token id or a list of them, got {eos!r}")
         if eos is not None:
             eos = tuple(eos) if isinstance(eos, list) else (eos,)

@@ -1,9 +1,16 @@
-"""Composable modules of StructKV: centrality, pivot detection, skeleton pruning, budgeted cache."""
-from .budgeted_cache import BudgetedKVCache
+"""Composable modules of StructKV: centrality, pivot detection, skeleton pruning, budgeted cache,
+and `StructKVCompressor`, which joins the first three into StructKV's propagation."""
+from ..models.kv_cache import BudgetedKVCache, pads_last
 from .centrality import CentralityTracker
+from .compressor import StructKVCompressor
 from .pivot import PivotDetector, PivotTrace, calibrate_pivot, candidate_layers
-from .selection import budget_tokens, gather_tokens, pads_last, pool_scores, select_tokens
+from .propagation import FixedLayerPropagation, Propagation, RestartPropagation
+from .scores import last_query_logits, received_attention
+from .selection import budget_tokens, gather_tokens, pool_scores, pooled_saliency, select_tokens
 from .skeleton import SkeletonPruner
+from .view import LayerView
 
-__all__ = ["BudgetedKVCache", "CentralityTracker", "PivotDetector", "PivotTrace", "SkeletonPruner", "budget_tokens",
-           "calibrate_pivot", "candidate_layers", "gather_tokens", "pads_last", "pool_scores", "select_tokens"]
+__all__ = ["BudgetedKVCache", "CentralityTracker", "FixedLayerPropagation", "LayerView", "PivotDetector", "PivotTrace",
+           "Propagation", "RestartPropagation", "SkeletonPruner", "StructKVCompressor", "budget_tokens",
+           "calibrate_pivot", "candidate_layers", "gather_tokens", "last_query_logits", "pads_last", "pool_scores",
+           "pooled_saliency", "received_attention", "select_tokens"]

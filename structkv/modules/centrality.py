@@ -3,11 +3,18 @@
 C_j = sum_l decay^(L*-l) S_j^(l), kept online as C <- decay * C + S^(l) after each scored layer.
 Scores arrive on the *current* tokens with their original column index, so C lives on the
 original prompt columns and survives token subsetting (FastKV/StructKV propagation).
+
+`observe` owns StructKV's conventions for S^(l): the window saliency (per KV head) is pooled over
+the non-window tokens (the window is always kept, so never ranked: its columns get 0), summed
+over KV heads and divided by the window size (the mean attention a token receives from one
+window query). `update` takes S^(l) as given.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from .selection import pooled_saliency
 
 
 class CentralityTracker(nn.Module):
@@ -16,17 +23,22 @@ class CentralityTracker(nn.Module):
     Shapes: B batch, N original prompt columns, n current columns (n <= N).
     """
 
-    def __init__(self, decay: float = 0.9):
+    def __init__(self, decay: float = 0.9, window: int = 8, kernel: int = 7, pooling: str | None = "max"):
         super().__init__()
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"decay must be in [0, 1], got {decay}")
-        self.decay = decay
-        self.value: torch.Tensor | None = None  # (B, N) float32
+        self.decay, self.window, self.kernel, self.pooling = decay, window, kernel, pooling
+        self.register_buffer("value", None, persistent=False)  # (B, N) float32 after reset
         self.layers: list[int] = []
 
     def reset(self, batch: int, num_tokens: int, device=None) -> None:
         self.value = torch.zeros(batch, num_tokens, dtype=torch.float32, device=device)
         self.layers = []
+
+    def observe(self, saliency: torch.Tensor, columns: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """Add one layer's window saliency (B, Hkv, n) of the current tokens at `columns` (B, n)."""
+        pooled = pooled_saliency(saliency, self.window, self.kernel, self.pooling)
+        return self.update(pooled.sum(1) / self.window, columns, layer)
 
     def update(self, scores: torch.Tensor, columns: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         """C <- decay * C + S. scores (B, n) for the tokens at original `columns` (B, n)."""

@@ -1,6 +1,6 @@
 """PivotDetector: find, per input, the layer where window attention turns from broad to focused.
 
-Per scored layer l, three statistics of the window attention (GAP G3 of docs/algorithm.md):
+Per scored layer l, three statistics of the window attention (docs/algorithm.md, section 3):
 - H_l: entropy of each window query's attention, normalised by log(visible keys), averaged over
   heads and queries (from `window_scores`' entropy output, no probabilities materialised);
 - rho_l: top-k mass of the normalised saliency p = S / sum(S), k = ceil(topk_ratio * length);
@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 
 @dataclass
@@ -42,8 +41,9 @@ def candidate_layers(num_layers: int, scored: list[int], depth_range=(0.3, 0.6))
     return [min(pool, key=lambda l: (abs(l - centre), -l))]
 
 
-class PivotDetector(nn.Module):
+class PivotDetector:
     """Online pivot detection per batch row (host-side decisions; each `observe` is one sync).
+    A plain object: its state is the per-row traces on the host, no tensors.
 
     Args:
         num_layers: model depth L. scored_layers: layers whose window attention is observed
@@ -54,7 +54,6 @@ class PivotDetector(nn.Module):
 
     def __init__(self, num_layers: int, scored_layers: list[int], depth_range=(0.3, 0.6),
                  weights=(0.2, 0.3, 0.5), topk_ratio: float = 0.2, eps: float = 1e-6):
-        super().__init__()
         if not 0.0 <= depth_range[0] <= depth_range[1] <= 1.0:
             raise ValueError(f"depth_range must satisfy 0 <= lo <= hi <= 1, got {depth_range}")
         self.num_layers, self.scored = num_layers, sorted(scored_layers)
@@ -81,6 +80,15 @@ class PivotDetector(nn.Module):
         mean = 1.0 / lengths.clamp_min(1)
         var = (((p - mean[:, None]) ** 2) * valid).sum(-1) / lengths.clamp_min(1)
         return torch.stack([h_norm, rho, var], dim=-1)
+
+    def observe_scores(self, layer: int, saliency: torch.Tensor, entropy: torch.Tensor,
+                       positions: torch.Tensor) -> list[bool]:
+        """`observe` from the window scores of the current tokens: saliency (B, Hkv, n), entropy
+        (B, Hq, w) of the last w queries, positions (B, n) (-1 = padding). Each window query's
+        entropy is normalised by the log of the keys it sees (visible: not padding, not later)."""
+        w, valid = entropy.shape[-1], positions >= 0
+        n_visible = (valid[:, None, :] & (positions[:, None, :] <= positions[:, -w:, None])).sum(-1)  # (B, w)
+        return self.observe(layer, self.statistics(saliency, entropy, n_visible, valid, self.topk_ratio))
 
     def transition(self, prev: tuple, cur: tuple) -> float:
         rel = lambda a, b: (b - a) / (abs(a) + self.eps)  # noqa: E731

@@ -28,6 +28,15 @@ def pool_scores(scores: torch.Tensor, kernel: int, pooling: str | None) -> torch
     return x[..., :n].reshape(B, H, n)
 
 
+def pooled_saliency(saliency: torch.Tensor, window: int, kernel: int, pooling: str | None) -> torch.Tensor:
+    """Window saliency (B, H, n) pooled over the non-window tokens; the window's own columns are 0,
+    since the window is always kept and never ranked."""
+    n = saliency.shape[-1]
+    out = torch.zeros_like(saliency)
+    out[:, :, : n - window] = pool_scores(saliency[:, :, : n - window], kernel, pooling)
+    return out
+
+
 def budget_tokens(budget: float | int, lengths: torch.Tensor, what: str = "budget") -> list[int]:
     """Tokens to keep per row: floor(length * ratio), at least one, for a ratio in (0, 1]; else
     min(count, length)."""
@@ -67,13 +76,6 @@ def select_tokens(scores: torch.Tensor, valid: torch.Tensor, keep: list[int], wi
         chosen = torch.cat([best, win], dim=-1).sort(-1).values  # (H, keep_b)
         out[b, :, K - chosen.shape[-1]:] = chosen
     return out
-
-
-def pads_last(indices: torch.Tensor) -> torch.Tensor:
-    """Move -1 entries from the front to the end (the layout `compact_kv` expects)."""
-    big = torch.iinfo(torch.long).max
-    moved = torch.where(indices < 0, torch.full_like(indices, big), indices).sort(-1).values
-    return torch.where(moved == big, torch.full_like(moved, -1), moved)
 
 
 def gather_tokens(x: torch.Tensor, indices: torch.Tensor, fill=0) -> torch.Tensor:

@@ -6,13 +6,12 @@ saliency) and for GemFilter's restart (score = raw last-query logits, positions 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from .selection import gather_tokens, select_tokens
 
 
-class SkeletonPruner(nn.Module):
-    """Select and gather a token skeleton.
+class SkeletonPruner:
+    """Select and gather a token skeleton (a plain object: no tensor state).
 
     Args:
         window: observation-window size (always kept).
@@ -22,7 +21,6 @@ class SkeletonPruner(nn.Module):
     """
 
     def __init__(self, window: int = 8, positions: str = "original"):
-        super().__init__()
         if positions not in ("original", "compact"):
             raise ValueError(f"positions must be 'original' or 'compact', got {positions!r}")
         self.window, self.positions = window, positions

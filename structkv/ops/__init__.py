@@ -1,9 +1,16 @@
-"""Custom ops (torch.library): window-attention saliency and KV-cache compaction.
-
-Each op has a plain-aten CPU reference and a Triton kernel used on CUDA; Triton is imported
-lazily, so the package works where it is absent. See docs/ops.md.
+"""Custom ops (torch.library), documented in docs/ops.md:
+- `window_scores`: observation-window saliency per KV head + attention entropy (CPU reference,
+  Triton kernel on CUDA);
+- `compact_kv`: in-place KV-cache compaction from selected indices (CPU reference, Triton on CUDA);
+- `causal_attention`, `sliding_window_attention`: the prompt pass's blockwise self-attention,
+  opaque to a compiled prefill;
+- `int8_head_logits`: one row's logits from an exact int8 copy of the LM head.
+Triton is imported lazily, so the package works where it is absent.
 """
+from .attention import CAUSAL_BLOCK, causal_attention, sliding_window_attention, visible
 from .compaction import compact_kv, compact_kv_reference
+from .int8_head import int8_head_logits
 from .saliency import window_scores, window_scores_naive, window_scores_reference
 
-__all__ = ["compact_kv", "compact_kv_reference", "window_scores", "window_scores_naive", "window_scores_reference"]
+__all__ = ["CAUSAL_BLOCK", "causal_attention", "compact_kv", "compact_kv_reference", "int8_head_logits",
+           "sliding_window_attention", "visible", "window_scores", "window_scores_naive", "window_scores_reference"]

@@ -151,7 +151,8 @@ def _compact(K, V, KPOS, IDX, KC, VC, PC,
     kt = tl.load(K + b * skb + h * skh + src[:, None] * skn + offs_d[None, :] * skd, mask=both, other=0.0)
     vt = tl.load(V + b * svb + h * svh + src[:, None] * svn + offs_d[None, :] * svd, mask=both, other=0.0)
     dst = m_ok[:, None] & (offs_d[None, :] < D)
-    tl.store(KC + b * scb + h * sch + offs_m[:, None] * scc + offs_d[None, :] * scd, kt.to(KC.dtype.element_ty), mask=dst)
+    tl.store(KC + b * scb + h * sch + offs_m[:, None] * scc + offs_d[None, :] * scd, kt.to(KC.dtype.element_ty),
+             mask=dst)
     tl.store(VC + b * svcb + h * svch + offs_m[:, None] * svcc + offs_d[None, :] * svcd, vt.to(VC.dtype.element_ty),
              mask=dst)
     pos = tl.load(KPOS + b * skpb + src * skpn, mask=valid & m_ok, other=-1)

@@ -3,19 +3,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from .. import pyplot
 
 
 def plot_all(result: dict, records: list[dict], out: Path) -> list[str]:
     """Write the plots into `out`; returns their file names."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = result["rows"]
     written = []
     for length in sorted({r["length"] for r in rows}):
@@ -38,7 +31,8 @@ def plot_all(result: dict, records: list[dict], out: Path) -> list[str]:
             ordered = sorted(at, key=lambda r: (r["kv_budget"] is not None, -r["average"]))
             ax.barh([r["label"] for r in ordered][::-1], [r["average"] for r in ordered][::-1],
                     color=["black" if r["kv_budget"] is None else "tab:blue" for r in ordered][::-1])
-            ax.set(xlabel="average score", title=f"{length} tokens, R_KV {budgets[0]:g}" if budgets else f"{length} tokens")
+            title = f"{length} tokens, R_KV {budgets[0]:g}" if budgets else f"{length} tokens"
+            ax.set(xlabel="average score", title=title)
         name = f"accuracy_vs_budget_{length}.png"
         fig.tight_layout()
         fig.savefig(out / name, dpi=120)
@@ -75,7 +69,8 @@ def _heatmaps(plt, records: list[dict], out: Path) -> list[str]:
         grid = [[0.0] * len(lengths) for _ in depths]
         for i, d in enumerate(depths):
             for j, n in enumerate(lengths):
-                cell = [r["score"] for r in records if r["label"] == label and r["depth"] == d and r["length_budget"] == n]
+                cell = [r["score"] for r in records
+                        if r["label"] == label and r["depth"] == d and r["length_budget"] == n]
                 grid[i][j] = 100 * sum(cell) / len(cell) if cell else float("nan")
         im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)

@@ -160,6 +160,7 @@ def longbench_score(task: str, prediction: str, golds: list[str], all_classes: l
             score = classification(prediction, gold, all_classes or [])
         else:
             score = {"qa_f1": qa_f1, "rouge_l": rouge_l, "passage_count": passage_count,
-                     "passage_retrieval": passage_retrieval, "code_similarity": code_similarity}[metric](prediction, gold)
+                     "passage_retrieval": passage_retrieval,
+                     "code_similarity": code_similarity}[metric](prediction, gold)
         best = max(best, score)
     return best

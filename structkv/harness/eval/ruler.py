@@ -10,14 +10,12 @@ Deliberate differences, none of which changes what a task asks:
   generated (RULER draws all samples from one stream);
 - the haystack size is the largest that fits (binary search), not RULER's coarse 500-word or
   25-sentence steps, so prompts fill the budget more tightly;
-- sentence splitting is rule-based (`structkv.eval.text`), not nltk punkt;
+- sentence splitting is rule-based (`structkv.harness.eval.text`), not nltk punkt;
 - niah word keys are drawn uniformly from all adjective-noun pairs without materialising the
   sorted list of 6 million pairs.
 """
 from __future__ import annotations
 
-import json
-import math
 import random
 import string
 import uuid
@@ -25,8 +23,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..data import ruler_file
-from ..files import read_json
+from ...data import ruler_file
+from ...files import read_json
 from .text import split_sentences
 
 NIAH_TEMPLATE = (
@@ -45,7 +43,8 @@ VT_ANSWER_PREFIX = (" Answer: According to the chain(s) of variable assignment i
                     "{num_v} variables are assgined the value {query}, they are: ")  # upstream's typo, kept
 CWE_TEMPLATE = (
     "Below is a numbered list of words. In these words, some appear more often than others. "
-    "Memorize the ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?"
+    "Memorize the ones that appear most often.\n{context}\n"
+    "Question: What are the 10 most common words in the above list?"
 )
 CWE_ANSWER_PREFIX = " Answer: The top 10 words that appear most often in the list are:"
 FWE_TEMPLATE = (

@@ -3,7 +3,7 @@
 A task file is `<dir>/<task>.jsonl` (official LongBench format: context, input, answers,
 all_classes, ...); `dir` is a LongBench folder holding `config/`, the full files and/or a
 `subset/` folder. By default that folder is the one bundled with the package (config and the
-187-record MiniLongBench subset of the 16 English tasks, `structkv/eval/data/SOURCES.md`), and the
+187-record MiniLongBench subset of the 16 English tasks, `structkv/harness/eval/data/SOURCES.md`), and the
 full task files come from the Hub's THUDM/LongBench `data.zip`, cached under
 `$STRUCTKV_CACHE/longbench`; `--data DIR` / `$STRUCTKV_DATA` replace both with `DIR/longbench`.
 Prompts use `config/dataset2prompt.json` and generation lengths
@@ -18,9 +18,9 @@ import json
 import zipfile
 from pathlib import Path
 
-from ..files import write_atomic
-from ..data import data_dir
-from ..fetch import cache_root, hub_file, locked
+from ...data import data_dir
+from ...fetch import cache_root, hub_file, locked
+from ...files import write_atomic
 from .metrics import LONGBENCH_METRIC
 
 TASKS = list(LONGBENCH_METRIC)
@@ -78,7 +78,8 @@ def full_task_file(task: str) -> Path:
     return target
 
 
-def load(task: str, tokenizer, max_length: int, *, root=None, subset: bool = True, samples: int | None = None) -> list[dict]:
+def load(task: str, tokenizer, max_length: int, *, root=None, subset: bool = True,
+         samples: int | None = None) -> list[dict]:
     """Records of `task` with the rendered, middle-truncated prompt (`input_ids`) and gold answers."""
     if max_length < 64:
         raise ValueError(f"max_length must be at least 64 tokens, got {max_length}")

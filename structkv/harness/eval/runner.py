@@ -9,17 +9,15 @@ method's scores cannot land in another method's row.
 from __future__ import annotations
 
 import json
-import math
 import os
-import platform
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .. import methods as methods_registry
-from ..files import write_text_atomic
+from ... import methods as methods_registry
+from ...files import write_text_atomic
+from .. import environment, mean, median
 from . import metrics
 
 BENCHMARKS = ("ruler", "longbench", "niah")
@@ -88,7 +86,7 @@ class EvalConfig:
             from .longbench import longbench_dir
             longbench_dir(self.data_dir)
             return
-        from ..data import data_dir
+        from ...data import data_dir
         folder = data_dir(self.data_dir)
         if not (folder / "ruler").is_dir():
             raise FileNotFoundError(f"--data {folder} has no ruler/ folder, which {self.benchmark} needs "
@@ -160,7 +158,7 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
                                 samples=cfg.samples):
                     out.append({**rec, "length_budget": length})
         else:
-            from ..data import needle_prompt
+            from ...data import needle_prompt
             for depth in cfg.depths:
                 _building(progress, f"needles at {length} tokens, depth {depth:g}")
                 for index in range(cfg.task_samples("niah")):
@@ -202,30 +200,6 @@ def sample_key(label: str, sample: dict) -> str:
 
 
 # ------------------------------------------------------------------------------ running
-
-
-def environment() -> dict:
-    """Versions and the git commit, stored with every result."""
-    import torch
-
-    info = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-            "threads": torch.get_num_threads()}
-    for pkg in ("structkv", "transformers", "tokenizers", "wonderwords"):
-        try:
-            from importlib.metadata import version
-            info[pkg] = version(pkg)
-        except Exception:  # noqa: BLE001 - optional packages
-            info[pkg] = None
-    repo = Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                               capture_output=True, text=True, timeout=10)
-        info["git_commit"] = commit.stdout.strip() or None
-        info["git_dirty"] = bool(dirty.stdout.strip()) if commit.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        info["git_commit"] = info["git_dirty"] = None
-    return info
 
 
 def _read_predictions(path: Path, *, quiet: bool = False) -> dict[str, dict]:
@@ -307,7 +281,8 @@ class Progress:
     def __init__(self, total: int, todo: int | None = None, enabled: bool = True):
         """`todo`: the steps that compute (the others were done before); the time left is
         estimated from those alone."""
-        self.total, self.todo, self.enabled, self.t0 = total, total if todo is None else todo, enabled, time.perf_counter()
+        self.total, self.todo, self.enabled = total, total if todo is None else todo, enabled
+        self.t0 = time.perf_counter()
         self.count = self.computed = 0
         self.tty = sys.stderr.isatty()
 
@@ -332,10 +307,10 @@ class Progress:
 
 def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool = True) -> dict:
     """Run (or resume) the evaluation into `out`; returns the metrics (also written as files)."""
-    from ..generation import generate
+    from ...generation import generate
 
     if model is None:
-        from ..models import load
+        from ...models import load
         model = load(cfg.model)
     cfg.validate(model.config)
     if model.tokenizer is None:
@@ -353,7 +328,7 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
                 raise RuntimeError(f"asked for method {name!r} but the run reported {s.get('method')!r}")
             record = {
                 "key": sample_key(label, sample), "method": s["method"], "label": label, "kv_budget": budget,
-                "struct_budget": cfg.struct_budget if name in methods_registry.STRUCT_BUDGET_OPTION else None,
+                "struct_budget": cfg.struct_budget if methods_registry.struct_budget_option(name) else None,
                 "length_budget": sample["length_budget"], "task": sample["task"], "index": sample["index"],
                 "depth": sample.get("depth"), "prompt_tokens": len(sample["input_ids"]),
                 "prediction": result.text, "outputs": sample["outputs"], "score": score(sample, result.text),
@@ -453,8 +428,9 @@ def _cap(cfg: EvalConfig, sample: dict) -> int:
 def _run_shared(model, input_ids: list[int], methods: list, max_new_tokens: int, compile) -> list:
     """Every method on one prompt: one prefill pass (methods share the layers before their
     propagation), then one stacked decode of all their states. Results in the order of `methods`."""
-    from ..generation import encode_batch, generate_states
-    from ..prefill import compress_shared
+    from ...generation import generate_states
+    from ...prompts import encode_batch
+    from ...shared import compress_shared
 
     tokens, positions, _ = encode_batch(model, [input_ids])
     states = compress_shared(model, tokens, positions, methods, room=max_new_tokens, compile=compile)
@@ -470,19 +446,6 @@ def _graphs_compiled() -> int:
 # ------------------------------------------------------------------------------ tables
 
 
-def _mean(values):
-    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return sum(values) / len(values) if values else None
-
-
-def _median(values):
-    values = sorted(v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v)))
-    if not values:
-        return None
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
-
 def aggregate(records: list[dict]) -> dict:
     """Scores x100 per (method label, length, task), their average, and speed/memory stats (times:
     medians over the calls that did not compile, when there are any; the rest: means)."""
@@ -492,7 +455,8 @@ def aggregate(records: list[dict]) -> dict:
             "label": r["label"], "method": r["method"], "kv_budget": r["kv_budget"],
             "struct_budget": r["struct_budget"], "length": r["length_budget"], "tasks": {}, "_recs": []})
         if row["method"] != r["method"]:
-            raise ValueError(f"label {r['label']!r} holds results of two methods: {row['method']!r} and {r['method']!r}")
+            raise ValueError(f"label {r['label']!r} holds results of two methods: {row['method']!r} and "
+                             f"{r['method']!r}")
         row["tasks"].setdefault(r["task"], []).append(r["score"])
         row["_recs"].append(r)
     table = []
@@ -503,10 +467,10 @@ def aggregate(records: list[dict]) -> dict:
         row["average"] = sum(row["tasks"].values()) / len(row["tasks"])
         warm = [r for r in recs if not r.get("compiled")] or recs  # times of calls that compiled mislead
         for stat in ("prefill_s", "decode_tokens_per_s"):  # median: one call slowed by the machine moves it little
-            row[stat] = _median([r[stat] for r in warm])
+            row[stat] = median([r[stat] for r in warm])
         row["timed_calls"] = len(warm)
         for stat in ("prefill_fraction", "kv_cache_bytes", "prompt_tokens"):
-            row[stat] = _mean([r[stat] for r in recs])
+            row[stat] = mean([r[stat] for r in recs])
         table.append(row)
     table.sort(key=lambda r: (r["length"], r["kv_budget"] or 0, r["label"]))
     return {"rows": table}
@@ -531,7 +495,8 @@ def summary_markdown(result: dict, cfg: EvalConfig | None = None) -> str:
     for r in rows:
         cells = [r["method"], "-" if r["kv_budget"] is None else f"{r['kv_budget']:g}", str(r["length"])]
         cells += [f"{r['tasks'][t]:.1f}" if t in r["tasks"] else "" for t in tasks]
-        cells += [f"{r['average']:.1f}", str(sum(r["n"].values())), f"{r['prefill_s']:.2f}", f"{r['prefill_fraction']:.2f}",
+        cells += [f"{r['average']:.1f}", str(sum(r["n"].values())), f"{r['prefill_s']:.2f}",
+                  f"{r['prefill_fraction']:.2f}",
                   f"{r['kv_cache_bytes'] / 2**20:.1f}",
                   f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] is not None else "-"]
         lines.append("| " + " | ".join(cells) + " |")

@@ -1,4 +1,10 @@
-"""When torch.compile pays for a call, and where its graphs persist.
+"""Compiling: the one registry of compiled functions, where graphs persist, and when it pays.
+
+`compiled(fn, **options)` compiles `fn` once per process (per backend and options) and returns
+the compiled callable; it is what the decode step, the full prefill, the layer blocks of the
+compressed prefill and the int8 LM head use. Compiled calls raise dynamo's recompile limit only
+for themselves (every distinct model or batch size adds a cache entry for the same code), never
+for the whole process.
 
 Compiling the decode step makes each token cheaper, but the compile itself costs tens of
 seconds the first time on a machine and a few seconds when inductor's on-disk cache already
@@ -13,6 +19,7 @@ across processes and reboots (inductor's own default is a temporary folder).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -21,12 +28,31 @@ import torch
 
 from .fetch import cache_root
 
-# Tokens to generate from which compiling the decode step is faster overall. Measured on the
-# 2-core CPU reference machine with Gemma 3 270M at a 4K context (docs/benchmarks.md, "Start-up"):
-# compiling the decode step costs ~68 s cold (no graphs on disk) and ~12 s warm, and saves
-# ~9.5 ms per token (16.0 vs 13.9 tok/s), so it pays from ~7000 and ~1300 tokens.
+# Tokens to generate from which compiling the decode step is faster overall: its compile time
+# divided by what it saves per token, cold (no graphs on disk) and warm, as measured on the 2-core
+# CPU reference machine (docs/benchmarks.md, "Start-up").
 DECODE_TOKENS_COLD = 8192
 DECODE_TOKENS_WARM = 1536
+
+
+RECOMPILE_LIMIT = 64
+_COMPILED: dict = {}
+
+
+def compiled(fn, backend: str = "inductor", **options):
+    """`torch.compile(fn, backend=backend, **options)`, created once and reused."""
+    key = (fn, backend, tuple(sorted(options.items())))
+    if key not in _COMPILED:
+        use_persistent_cache()
+        graph = torch.compile(fn, backend=backend, **options)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return graph(*args, **kwargs)
+
+        _COMPILED[key] = call
+    return _COMPILED[key]
 
 
 def use_persistent_cache() -> str:

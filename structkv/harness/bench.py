@@ -21,8 +21,10 @@ from pathlib import Path
 
 import torch
 
-from . import methods as methods_registry
-from .generation import _sync, generate
+from .. import methods as methods_registry
+from ..generation import generate
+from ..timing import sync
+from . import environment, pyplot
 
 
 @dataclass
@@ -112,13 +114,14 @@ class PeakMemory:
 
 def make_method(cfg: BenchConfig, name: str):
     pivot = {"pivot": float(cfg.pivot)} if cfg.pivot != "dynamic" and name in ("structkv", "structkv_no_decay") else {}
-    return methods_registry.get(name, **methods_registry.budget_options(name, cfg.kv_budget, cfg.struct_budget), **pivot)
+    budgets = methods_registry.budget_options(name, cfg.kv_budget, cfg.struct_budget)
+    return methods_registry.get(name, **budgets, **pivot)
 
 
 def prompt_ids(model, length: int, seed: int) -> list[int]:
     """Exactly `length` tokens: essay text for a model with a tokenizer, seeded random ids otherwise."""
     if model.tokenizer is not None:
-        from .data import essay_text
+        from ..data import essay_text
 
         text = essay_text()
         ids = model.tokenizer.encode(text[: length * 8])
@@ -147,16 +150,18 @@ def _summary(values):
 
 def measure(model, ids, method, cfg: BenchConfig) -> dict:
     for _ in range(cfg.warmup):
-        generate(model, ids, max_new_tokens=cfg.new_tokens, method=method, stop_at_eos=False, compile=cfg.compile)
+        generate(model, ids, max_new_tokens=cfg.new_tokens, method=method, stop_at_eos=False, compile=cfg.compile,
+                 timing=True)
     runs = []
     for _ in range(cfg.repeats):
         with PeakMemory(model.device) as mem:
             out = generate(model, ids, max_new_tokens=cfg.new_tokens, method=method, stop_at_eos=False,
-                           compile=cfg.compile)
+                           compile=cfg.compile, timing=True)  # phase times: the method's overhead
         s = out.stats
         overhead = s.get("scoring_s", 0.0) + s.get("selection_s", 0.0)
         runs.append({"prefill_s": s["prefill_s"], "decode_tokens_per_s": s["decode_tokens_per_s"],
-                     "peak_bytes": mem.peak, "peak_total_bytes": mem.total, "overhead_s": overhead, "scoring_s": s.get("scoring_s", 0.0),
+                     "peak_bytes": mem.peak, "peak_total_bytes": mem.total, "overhead_s": overhead,
+                     "scoring_s": s.get("scoring_s", 0.0),
                      "selection_s": s.get("selection_s", 0.0), "stats": s})
     s = runs[-1]["stats"]
     n, cfg_m = len(ids), model.config
@@ -200,7 +205,8 @@ def hf_twin(model):
                   tie_word_embeddings=c.tie_word_embeddings, attn_implementation="sdpa")
     if c.model_type == "gemma3_text":
         hf_cfg = transformers.Gemma3TextConfig(
-            **common, sliding_window=c.sliding_window, layer_types=list(c.layer_types), query_pre_attn_scalar=c.head_dim,
+            **common, sliding_window=c.sliding_window, layer_types=list(c.layer_types),
+            query_pre_attn_scalar=c.head_dim,
             rope_parameters={t: {"rope_type": "default", "rope_theta": r.theta} for t, r in c.rope.items()})
     elif c.model_type in ("llama", "qwen2"):
         rope = next(iter(c.rope.values()))
@@ -256,13 +262,13 @@ def measure_hf(hf, ids, cfg: BenchConfig, device) -> dict:
     def once():
         t0 = time.perf_counter()
         out = hf(tokens, use_cache=True, logits_to_keep=1)
-        _sync(device)
+        sync(device)
         t1 = time.perf_counter()
         cache, tok = getattr(out, kw), out.logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(cfg.new_tokens - 1):
             out = hf(tok, use_cache=True, **{kw: cache})
             cache, tok = getattr(out, kw), out.logits[:, -1].argmax(-1, keepdim=True)
-        _sync(device)
+        sync(device)
         return t1 - t0, (cfg.new_tokens - 1) / (time.perf_counter() - t1)
 
     with torch.inference_mode():
@@ -282,8 +288,7 @@ def measure_hf(hf, ids, cfg: BenchConfig, device) -> dict:
 
 
 def run(cfg: BenchConfig, out: str | Path | None = None, model=None, progress=True) -> dict:
-    from .eval.runner import environment
-    from .models import load
+    from ..models import load
 
     cfg.validate()
     model = model if model is not None else load(cfg.model, dtype=cfg.dtype, device=cfg.device)
@@ -304,7 +309,8 @@ def run(cfg: BenchConfig, out: str | Path | None = None, model=None, progress=Tr
             if progress:
                 r = rows[-1]
                 print(f"{n:>6} tokens {name:>14}: prefill {r['prefill_s']['median']:.3f} s, decode "
-                      f"{r['decode_tokens_per_s']['median']:.1f} tok/s, peak +{r['peak_bytes']['median'] / 2**20:.0f} MiB"
+                      f"{r['decode_tokens_per_s']['median']:.1f} tok/s, "
+                      f"peak +{r['peak_bytes']['median'] / 2**20:.0f} MiB"
                       f" ({time.perf_counter() - t:.0f} s)", file=sys.stderr, flush=True)
         if hf is not None:
             rows.append(measure_hf(hf, ids, cfg, model.device))
@@ -409,9 +415,8 @@ def markdown(result: dict) -> str:
 
 def plot(results: list[dict], out: Path, eval_dir: str | None = None) -> list[str]:
     """Latency vs context length per method; with an eval folder, accuracy vs prefill time and KV bytes."""
-    from .eval.plots import _pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
 
     written = []
     fig, ax = plt.subplots(figsize=(6, 4))

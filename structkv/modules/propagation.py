@@ -1,0 +1,89 @@
+"""Token propagation: after a layer, which of the current tokens go on to the deeper layers.
+
+A `Propagation` observes every layer through a `LayerView` and returns, when it decides, the
+kept token indices (B, K) into the current tokens (sorted, -1 left padding); the loop then
+gathers hidden states, columns and positions with `pruner`. Deeper layers compute only on the
+kept tokens: that is the prefill saving. Three rules ship:
+- `FixedLayerPropagation` (FastKV's TSP): at one layer, the top tokens by that layer's pooled
+  window saliency;
+- `StructKVCompressor` (`structkv.modules.compressor`): at each row's detected pivot, the top
+  tokens by centrality accumulated over the layers before it;
+- `RestartPropagation` (GemFilter): at one layer, the top tokens by the last query's logits,
+  re-encoded from layer 0 with renumbered positions (`restart = True`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .scores import last_query_logits
+from .selection import pooled_saliency
+from .skeleton import SkeletonPruner
+
+
+class Propagation:
+    """Base: never propagates. `pivots` holds each row's propagation layer (None until it fires);
+    `host_syncs` counts host decisions; `scoring_s` the seconds spent on statistics (not on the
+    memoised window scores, which the view accounts for)."""
+
+    restart = False
+    host_syncs = 0
+
+    def __init__(self, batch: int, window: int = 0, positions: str = "original"):
+        self.pivots: list[int | None] = [None] * batch
+        self.pruner = SkeletonPruner(window, positions)
+        self.scoring_s = 0.0
+
+    def begin(self, num_tokens: int, device=None) -> "Propagation":
+        """Start a prompt of `num_tokens` columns (padding included)."""
+        return self
+
+    def window_needed(self, layer: int) -> int | None:
+        """The observation window whose scores `after_layer` reads at `layer` (None: none)."""
+        return None
+
+    def after_layer(self, view) -> torch.Tensor | None:
+        return None
+
+    def stats(self) -> dict:
+        """Extra entries for the prefill stats (e.g. StructKV's T curves)."""
+        return {}
+
+
+class FixedLayerPropagation(Propagation):
+    """At `layer`, keep per row `keep[b]` tokens: the window plus the top by pooled window saliency
+    summed over KV heads (FastKV's token-selective propagation)."""
+
+    def __init__(self, layer: int, keep: list[int], window: int, kernel: int, pooling: str | None):
+        super().__init__(len(keep), window)
+        self.layer, self.keep, self.window, self.kernel, self.pooling = layer, keep, window, kernel, pooling
+        self.host_syncs = 1  # the layer is fixed: one decision
+
+    def window_needed(self, layer: int) -> int | None:
+        return self.window if layer == self.layer else None
+
+    def after_layer(self, view) -> torch.Tensor | None:
+        if view.layer != self.layer:
+            return None
+        saliency, _ = view.window_scores(self.window)
+        score = pooled_saliency(saliency, self.window, self.kernel, self.pooling).sum(1)  # (B, n)
+        self.pivots = [self.layer] * len(self.keep)
+        return self.pruner.select(score, view.valid, self.keep)
+
+
+class RestartPropagation(Propagation):
+    """At `layer`, keep per row `keep[b]` tokens by the last query's raw logits (avg-pooled, shared
+    by heads); the kept tokens are re-encoded by the whole model with positions 0..K-1 (GemFilter)."""
+
+    restart = True
+
+    def __init__(self, layer: int, keep: list[int], kernel: int):
+        super().__init__(len(keep), 0, positions="compact")
+        self.layer, self.keep, self.kernel = layer, keep, kernel
+        self.host_syncs = 1
+
+    def after_layer(self, view) -> torch.Tensor | None:
+        if view.layer != self.layer:
+            return None
+        score = last_query_logits(view.q, view.k, view.valid, self.kernel)
+        self.pivots = [self.layer] * len(self.keep)
+        return self.pruner.select(score, view.valid, self.keep)

@@ -1,0 +1,58 @@
+"""LayerView: what a method sees of one layer during the prefill, and the scores it may ask for.
+
+Scores are computed on first request and memoised in a dict the loop shares between every method
+reading the same tokens at this layer, so two methods asking for the same window pay once. The
+view also records which scores were asked for since `used` was last cleared, so a shared prefill
+can charge each method the scoring it needed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..ops import window_scores
+from ..timing import NO_TIMER, Timer
+from .scores import received_attention
+
+
+@dataclass
+class LayerView:
+    layer: int
+    q: torch.Tensor  # (B, Hq, n, D), RoPE applied
+    k: torch.Tensor  # (B, Hkv, n, D), RoPE applied
+    v: torch.Tensor  # (B, Hkv, n, D)
+    positions: torch.Tensor  # (B, n) original positions, -1 = padding
+    columns: torch.Tensor  # (B, n) original prompt column of each current token
+    scale: float
+    memo: dict = field(default_factory=dict)  # key -> (scores, seconds), shared per (tokens, layer)
+    timer: Timer = NO_TIMER
+    used: set = field(default_factory=set)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.positions >= 0  # (B, n)
+
+    def window_scores(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(saliency (B, Hkv, n), entropy (B, Hq, window)) of the last `window` queries."""
+        def compute():
+            n = self.k.shape[2]
+            return window_scores(self.q[:, :, n - window:], self.k, self.positions[:, n - window:].contiguous(),
+                                 self.positions, scale=self.scale)
+        return self._scores(("window", window), compute)
+
+    def received_attention(self) -> torch.Tensor:
+        """(B, Hkv, n): attention received from every query (H2O)."""
+        return self._scores(("received",), lambda: received_attention(self.q, self.k, self.positions, self.scale))
+
+    def _scores(self, key, compute):
+        if key not in self.memo:
+            with self.timer.phase("scoring") as span:
+                value = compute()
+            self.memo[key] = (value, span.seconds)
+        self.used.add(key)
+        return self.memo[key][0]
+
+    def seconds(self, keys) -> float:
+        """Scoring seconds of `keys` (what a method would have paid alone)."""
+        return sum(self.memo[k][1] for k in keys)

@@ -1,0 +1,108 @@
+"""Self-attention of the prompt pass as opaque ops: `structkv::causal_attention` (full-attention
+layers) and `structkv::sliding_window_attention` (sliding-window layers), and `visible`, the mask
+rule every attention in structkv follows.
+
+Both ops work blockwise (no (S, S) mask; sliding layers in O(S * window)). Their block arithmetic
+on a dynamic length would add shape guards to a compiled prefill, so they are registered with
+torch.library (a fake implementation gives the output shape) and stay opaque to inductor; one
+compiled layer graph then serves every prompt length. Masks come from original positions
+(-1 = padding), so any token subset attends exactly as in the full prompt. See docs/ops.md.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys each query may attend to, from original positions.
+
+    q_pos: (B, S); k_pos: (B, T) or (B, Hkv, T), -1 for padding / empty slots.
+    Returns bool (B, 1, S, T) or (B, Hkv, S, T). A key is visible iff it is valid, not in the
+    future of the query, and (sliding layers) fewer than `window` positions behind it.
+    """
+    if k_pos.dim() == 2:
+        k_pos = k_pos[:, None]  # (B, 1, T)
+    q = q_pos[:, None, :, None]  # (B, 1, S, 1)
+    k = k_pos[:, :, None, :]  # (B, H, 1, T)
+    mask = (k >= 0) & (k <= q)
+    if window is not None:
+        mask = mask & (q - k < window)
+    return mask
+
+
+def sliding_self_attention(q, k, v, positions: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """Self-attention of a sliding-window layer in blocks of W queries over 2W keys: O(S*W), not O(S^2).
+
+    q (B, Hq, S, D), k, v (B, Hkv, S, D), positions (B, S) -> (B, Hq, S, D). Exact for any token
+    subset: positions increase with the index, so a key fewer than W positions back is fewer than
+    W indices back, i.e. in the query's block or the one before. Registered as an opaque op
+    (`structkv::sliding_window_attention`) so a compiled prefill stays dynamic in S.
+    """
+    B, Hq, S, D = q.shape
+    Hkv, W = k.shape[1], window
+    if S <= 2 * W:  # short: blocks would not save work, one masked call is cheaper
+        mask = visible(positions, positions, W)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    nb = (S + W - 1) // W
+    pad = nb * W - S
+    q = F.pad(q, (0, 0, 0, pad))  # (B, Hq, nb*W, D)
+    k = F.pad(k, (0, 0, W, pad))  # one block of empty keys in front: (B, Hkv, (nb+1)*W, D)
+    v = F.pad(v, (0, 0, W, pad))
+    q_pos = F.pad(positions, (0, pad), value=-1)  # (B, nb*W)
+    k_pos = F.pad(positions, (W, pad), value=-1)  # (B, (nb+1)*W)
+    qb = q.view(B, Hq, nb, W, D).transpose(1, 2).reshape(B * nb, Hq, W, D)  # (B*nb, Hq, W, D)
+    kb = k.unfold(2, 2 * W, W).permute(0, 2, 1, 4, 3).reshape(B * nb, Hkv, 2 * W, D)  # (B*nb, Hkv, 2W, D)
+    vb = v.unfold(2, 2 * W, W).permute(0, 2, 1, 4, 3).reshape(B * nb, Hkv, 2 * W, D)
+    mask = visible(q_pos.view(B * nb, W), k_pos.unfold(1, 2 * W, W).reshape(B * nb, 2 * W), W)  # (B*nb, 1, W, 2W)
+    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.view(B, nb, Hq, W, D).transpose(1, 2).reshape(B, Hq, nb * W, D)[:, :, :S]  # (B, Hq, S, D)
+
+
+@torch.library.custom_op("structkv::sliding_window_attention", mutates_args=())
+def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int,
+                scale: float) -> torch.Tensor:
+    return sliding_self_attention(q, k, v, positions, window, scale).contiguous()
+
+
+def _shaped_like_q(q, *args):
+    """Fake (meta) implementation of both attention ops: the output has q's shape."""
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+sliding_window_attention.register_fake(_shaped_like_q)
+
+
+CAUSAL_BLOCK = 2048  # queries per block of full-attention prefill
+
+
+def causal_self_attention(q, k, v, positions: torch.Tensor, scale: float, block: int = CAUSAL_BLOCK) -> torch.Tensor:
+    """Self-attention of a full-attention layer without an (S, S) mask. Rows without padding whose
+    positions increase (a whole prompt, or a kept subset of one) take SDPA's causal path; otherwise
+    blocks of `block` queries attend over the keys up to the block's end with a (block, end) mask.
+
+    q (B, Hq, S, D), k, v (B, Hkv, S, D), positions (B, S) -> (B, Hq, S, D). Exact for any token
+    subset whose positions increase with the index (padding, -1, first): a key after a query's
+    block is in its future. Registered as an opaque op (`structkv::causal_attention`).
+    """
+    S = q.shape[2]
+    if bool((positions[:, :1] >= 0).all()) and bool((positions[:, 1:] > positions[:, :-1]).all()):
+        # No padding and increasing positions: position order is index order, so the mask is the
+        # causal triangle and SDPA's causal kernels skip the future blocks without any mask.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    outs = []  # one block when S <= block
+    for start in range(0, S, block):
+        end = min(S, start + block)
+        mask = visible(positions[:, start:end], positions[:, :end], None)  # (B, 1, block, end)
+        outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], attn_mask=mask,
+                                                   scale=scale, enable_gqa=True))
+    return torch.cat(outs, dim=2)
+
+
+@torch.library.custom_op("structkv::causal_attention", mutates_args=())
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
+               block: int) -> torch.Tensor:
+    return causal_self_attention(q, k, v, positions, scale, block).contiguous()
+
+
+causal_attention.register_fake(_shaped_like_q)

@@ -1,0 +1,29 @@
+"""`structkv::int8_head_logits`: one row's LM-head logits from int8 codes with one scale per block
+of 32 columns (GGUF's Q8_0 form), reading the codes once (`structkv.models.int8_head`)."""
+from __future__ import annotations
+
+import torch
+
+from ..compiling import compiled
+
+BLOCK = 32
+
+
+def _fused_row_logits(h: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """h (1, E) -> (1, V): per block, sum of code * h, times the block scale, summed over blocks."""
+    V, nb = scales.shape
+    inner = (h.view(1, 1, nb, BLOCK) * codes.view(1, V, nb, BLOCK)).sum(-1)  # (1, V, nb)
+    return (inner * scales).sum(-1)  # (1, V)
+
+
+@torch.library.custom_op("structkv::int8_head_logits", mutates_args=())
+def int8_head_logits(h: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """One row's logits from int8 blocks. Opaque to an enclosing compiled graph and compiled on its
+    own: inside the decode graph inductor fused the final norm into this loop (recomputed per
+    vocabulary row) and lost the gain; alone it is one loop reading the int8 codes once."""
+    return compiled(_fused_row_logits, dynamic=False, fullgraph=True)(h, codes, scales)
+
+
+@int8_head_logits.register_fake
+def _(h, codes, scales):
+    return h.new_empty(h.shape[0], codes.shape[0], dtype=torch.float32)

@@ -1,0 +1,69 @@
+"""The design-card modules stand alone: tensor state in buffers that move with `.to()`, plain
+objects where there is no tensor state, explicit sizes for the cache, their own conventions."""
+import torch
+from torch import nn
+
+from structkv.models.kv_cache import BudgetedKVCache
+from structkv.modules import CentralityTracker, LayerView, PivotDetector, SkeletonPruner, pooled_saliency
+from structkv.ops import window_scores
+
+
+def test_tracker_state_is_a_buffer_that_moves():
+    tr = CentralityTracker(decay=0.5).to(torch.float64)
+    tr.reset(2, 6)
+    tr.to(torch.float64)
+    assert tr.value.dtype == torch.float64 and "value" in dict(tr.named_buffers())
+    assert "value" not in tr.state_dict()  # per-prompt state: not part of a checkpoint
+
+
+def test_plain_objects_have_no_module_machinery():
+    assert not isinstance(PivotDetector(10, list(range(10))), nn.Module)
+    assert not isinstance(SkeletonPruner(4), nn.Module)
+
+
+def test_tracker_observe_owns_structkvs_convention():
+    """observe(saliency) = update(pooled saliency over non-window tokens, summed over KV heads, / w)."""
+    g = torch.Generator().manual_seed(0)
+    sal = torch.rand(1, 2, 20, generator=g)
+    cols = torch.arange(20)[None]
+    a, b = CentralityTracker(0.9, window=4, kernel=3, pooling="max"), CentralityTracker(0.9)
+    a.reset(1, 20)
+    b.reset(1, 20)
+    a.observe(sal, cols)
+    b.update(pooled_saliency(sal, 4, 3, "max").sum(1) / 4, cols)
+    assert torch.equal(a.value, b.value) and (a.value[0, -4:] == 0).all()  # window columns never ranked
+
+
+def test_detector_computes_its_own_statistics_from_window_scores():
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(1, 4, 30, 8, generator=g), torch.randn(1, 2, 30, 8, generator=g)
+    pos = torch.arange(30)[None]
+    sal, ent = window_scores(q[:, :, -6:], k, pos[:, -6:].contiguous(), pos, scale=0.35)
+    a, b = PivotDetector(8, list(range(8))), PivotDetector(8, list(range(8)))
+    a.reset(1)
+    b.reset(1)
+    a.observe_scores(3, sal, ent, pos)
+    n_vis = torch.arange(25, 31)[None]  # window query t sees keys 0..t
+    b.observe(3, PivotDetector.statistics(sal, ent, n_vis, pos >= 0, b.topk_ratio))
+    assert a.traces[0].stats == b.traces[0].stats
+
+
+def test_budgeted_cache_takes_explicit_sizes():
+    cache = BudgetedKVCache(2, 3, 16, [64, 128, 8], [None, None, 8], torch.float32, "cpu")
+    assert [layer.capacity for layer in cache.layers] == [64, 128, 8]
+    assert [layer.window for layer in cache.layers] == [None, None, 8]
+    k = torch.randn(2, 3, 10, 16)
+    pos = torch.arange(10).expand(2, 10)
+    idx = torch.tensor([[0, 4, 9]]).expand(2, 3, 3)
+    cache.fill(0, k, k, pos, idx)
+    assert cache.entries()[0] == 2 * 3 * 3 and cache.nbytes()[0] == 2 * 3 * 3 * 2 * 16 * 4
+    assert cache.nbytes(used=False)[0] == 2 * 3 * 64 * 2 * 16 * 4
+
+
+def test_layer_view_memoises_scores():
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(1, 4, 12, 8, generator=g), torch.randn(1, 2, 12, 8, generator=g)
+    view = LayerView(0, q, k, k, torch.arange(12)[None], torch.arange(12)[None], 0.35)
+    first, _ = view.window_scores(4)
+    again, _ = view.window_scores(4)
+    assert first is again and view.used == {("window", 4)}
