@@ -87,15 +87,26 @@ def _generate(args) -> int:
     compile_mode = {"auto": "auto", "always": True, "never": False}[args.compile if not args.eager else "never"]
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, compile=compile_mode, seed=args.seed)
+    system = [{"role": "system", "content": args.system}] if args.system else []
     if not args.question:
-        _stream_one(model, args, prompt, method=method, **sampling)
+        if args.chat:
+            _stream_one(model, args, None, messages=[*system, {"role": "user", "content": prompt}], method=method,
+                        **sampling)
+        else:
+            _stream_one(model, args, prompt, method=method, **sampling)
         return 0
-    longest = max(len(model.tokenizer.encode(q, add_bos=False)) for q in args.question)
-    state = structkv.prefill(model, prompt, method, room=longest + args.max_new_tokens)
+    longest = max(len(model.tokenizer.encode(q, add_bos=False)) for q in args.question) + 32  # + turn markup
+    context = [*system, {"role": "user", "content": prompt}] if args.chat else None
+    state = structkv.prefill(model, None if args.chat else prompt, method, messages=context,
+                             room=longest + args.max_new_tokens)
     for q in args.question:  # compress once, ask many: each question on a copy of the compressed context
         if len(args.question) > 1:
             print(f"Q: {q.strip()}\nA:", end="", flush=True)
-        _stream_one(model, args, q, state=state, **sampling)
+        if args.chat:  # the document's turn is in the state; each question is a new user turn after it
+            _stream_one(model, args, None, messages=[*context, {"role": "user", "content": q}], state=state,
+                        **sampling)
+        else:
+            _stream_one(model, args, q, state=state, **sampling)
     return 0
 
 
@@ -245,7 +256,12 @@ def main(argv=None) -> int:
     g.add_argument("-q", "--question", action="append", default=[],
                    help="a question about the prompt: the prompt is compressed once and every --question is "
                         "answered from that compressed state (repeat the option to ask several)")
-    g.add_argument("--model", default="gemma-3-270m", help="alias, HF folder, .gguf file or Hub id")
+    g.add_argument("--model", default="gemma-3-270m",
+                   help="alias (gemma-3-270m, smollm2), HF folder, .gguf file or Hub id")
+    g.add_argument("--chat", action="store_true",
+                   help="instruct models: send the prompt as a user turn through the model's chat template "
+                        "(with --question: the document is one user turn, compressed; each question another)")
+    g.add_argument("--system", default=None, help="with --chat: a system message first")
     g.add_argument("--method", default="full", help="compression method: " + ", ".join(_method_names()))
     g.add_argument("--kv-budget", type=float, default=None,
                    help="R_KV: share (0-1] or count (>1) of prompt KV entries kept per layer (method default if unset)")

@@ -40,6 +40,7 @@ class CompressedState:
     stats: PrefillStats | None = None
     kept_columns: torch.Tensor | None = None  # (B, K) prompt columns that reached the last layer, -1 = pad
     source: object = None  # weakref to the model that made it: a state only makes sense on that model
+    messages: list | None = None  # the chat messages it holds, when made from messages
 
     def check_model(self, model) -> None:
         """Refuse to extend this state with a model other than the one that made it."""
@@ -134,15 +135,32 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
                            weakref.ref(model))
 
 
-def prefill(model, context, method: Method | None = None, *, room: int = 256, compile=False) -> CompressedState:
+def prefill(model, context=None, method: Method | None = None, *, messages=None, room: int = 256,
+            compile=False) -> CompressedState:
     """Compress once, ask many: prefill `context` (text, ids or a batch) with `method` and return
-    a reusable `CompressedState`; pass it to `structkv.generate(model, question, state=...)`."""
+    a reusable `CompressedState`; pass it to `structkv.generate(model, question, state=...)`.
+    `messages` instead of `context`: a conversation rendered by the model's chat template (e.g. a
+    user turn holding a long document); later turns go to `generate(messages=..., state=...)`."""
     if isinstance(method, str):
         from .methods import get
 
         method = get(method)
+    if (context is None) == (messages is None):
+        raise ValueError("give the context either as `context` (text or ids) or as chat `messages`")
+    if messages is not None:
+        from .chat import encode as encode_chat
+
+        context = encode_chat(_tokenizer(model), messages, add_generation_prompt=False)
     tokens, positions, _ = encode_batch(model, context if is_batch(context) else [context])
-    return compress(model, tokens, positions, method, room=room, compile=compile)
+    state = compress(model, tokens, positions, method, room=room, compile=compile)
+    state.messages = list(messages) if messages is not None else None
+    return state
+
+
+def _tokenizer(model):
+    if model.tokenizer is None:
+        raise ValueError("this model has no tokenizer: chat messages need one (tokenizer.json in its folder)")
+    return model.tokenizer
 
 
 def restart(model, tokens, stream: Stream, kept, method, prop, processed, lengths, room, compile, t0, timer):

@@ -18,7 +18,7 @@ import torch
 
 from .compiling import compiled, mark_warm, should_compile_decode
 from .models.kv_cache import StackedKVCache, StaticKVCache, round_capacity
-from .prompts import encode_batch, ids_from_prompt, is_batch
+from .prompts import PROMPT_TYPES, encode_batch, ids_from_prompt, is_batch
 from .stats import PrefillStats
 from .timing import NO_TIMER, Timer, sync
 
@@ -98,10 +98,15 @@ def _method(method):
 
 
 @torch.inference_mode()
-def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, stop_at_eos: bool = True, compile="auto", seed: int | None = None,
-             method=None, state=None, stream=None, timing: bool = False) -> GenerationResult:
+def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, stop_at_eos: bool = True, compile="auto",
+             seed: int | None = None, method=None, state=None, stream=None, timing: bool = False) -> GenerationResult:
     """Generate a continuation of `prompt` (text, token ids, or a list of either for a batch).
+
+    `messages` instead of `prompt`: a conversation ([{"role": "user", "content": ...}, ...])
+    rendered by the model's chat template with the assistant's turn opened; generation stops at
+    the template's end-of-turn token. With a `state` made from messages, `messages` is the whole
+    conversation so far and only what follows the state's messages is appended (uncompressed).
 
     `method`: a compression method (`structkv.methods.get(...)`); None or `full` keeps every entry.
     `state`: a `CompressedState` from `structkv.prefill(model, context, method)`; `prompt` is then a question
@@ -115,6 +120,10 @@ def generate(model, prompt, *, max_new_tokens: int = 64, temperature: float = 0.
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
     method = _method(method)
+    if messages is not None:
+        prompt = _chat_prompt(model, prompt, messages, state)
+    elif prompt is None:
+        raise TypeError(f"a prompt must be {PROMPT_TYPES}, got NoneType (or give chat messages=[...])")
     if isinstance(prompt, (list, tuple)) and len(prompt) == 0:
         raise ValueError("prompt is empty: give text, token ids or a non-empty list of prompts")
     backend, decode_backend = _backends(model, compile, max_new_tokens)
@@ -296,6 +305,26 @@ def format_stats(stats: dict) -> str:
                  f"({stats['decode_tokens_per_s']:.1f} tok/s)")
     parts.append("compiled " + " and ".join(stats["compiled_parts"]) if stats.get("compiled_parts") else "eager")
     return "structkv: " + ", ".join(parts)
+
+
+def _chat_prompt(model, prompt, messages, state) -> list[int]:
+    """Token ids of a chat turn: the whole conversation, or what follows a state's messages."""
+    from . import chat
+
+    if prompt is not None:
+        raise ValueError("give either a prompt or chat messages, not both")
+    if model.tokenizer is None:
+        raise ValueError("this model has no tokenizer: chat messages need one (tokenizer.json in its folder)")
+    messages = chat.check_messages(messages)
+    if state is None:
+        return chat.encode(model.tokenizer, messages)
+    if state.messages is None:
+        raise ValueError("this state was made from plain text; make it with structkv.prefill(model, messages=...) "
+                         "to continue it with chat messages")
+    history = list(state.messages)
+    if list(messages[:len(history)]) != history:
+        raise ValueError("the messages must start with the state's own messages (the conversation so far)")
+    return chat.continuation(model.tokenizer, history, list(messages[len(history):]))
 
 
 def _backends(model, compile, max_new_tokens) -> tuple:

