@@ -71,3 +71,17 @@ def continuation(tokenizer, history, new_messages, *, add_generation_prompt: boo
         raise ValueError("this chat template renders earlier turns differently once a new turn follows, so a "
                          "cached conversation cannot be continued; compress the whole conversation instead")
     return tokenizer.encode(after[len(before):], add_bos=False)
+
+
+SENTINEL = "\u2063STRUCTKV-USER-CONTENT\u2063"  # a string no template produces by itself
+
+
+def frame(tokenizer) -> tuple[list[int], list[int]]:
+    """Token ids around the content of one user turn, generation prompt included: a prompt given as
+    token ids becomes `head + content + tail` without re-tokenizing it (what `eval --chat` does to
+    task prompts that were sized and truncated as tokens)."""
+    text = render(tokenizer, [{"role": "user", "content": SENTINEL}])
+    if text.count(SENTINEL) != 1:
+        raise ValueError("this chat template does not place the user's content once; cannot frame a prompt with it")
+    before, after = text.split(SENTINEL)
+    return tokenizer.encode(before, add_bos=False), tokenizer.encode(after, add_bos=False)

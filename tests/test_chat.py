@@ -118,3 +118,29 @@ def test_smollm2_chat_matches_transformers_and_answers(tmp_path):
     out = structkv.generate(model, messages=messages, max_new_tokens=24, compile=False)
     assert "Paris" in out.text and "<|im_end|>" not in out.text and len(out.token_ids) < 24  # stopped at turn end
     assert torch.tensor(out.token_ids).max() < model.config.vocab_size
+
+
+def test_eval_chat_wraps_each_prompt(chat_dir, chat_model, tmp_path, capsys):
+    pytest.importorskip("wonderwords")
+    from structkv.harness.eval.runner import EvalConfig, build_samples
+
+    out = tmp_path / "r"
+    argv = ["eval", "ruler", "--model", str(chat_dir), "--out", str(out), "--methods", "full,snapkv", "--lengths",
+            "1024", "--tasks", "niah_single_1", "--samples", "1", "--eager", "--quiet"]
+    assert main([*argv, "--chat"]) == 0
+    assert json.loads((out / "config.json").read_text())["config"]["chat"] is True
+    assert "prompts in the model's chat template" in (out / "summary.md").read_text()
+    assert main(argv) == 2 and "other settings" in capsys.readouterr().err  # a plain rerun is refused
+    cfg = EvalConfig(benchmark="ruler", model=str(chat_dir), tasks=["niah_single_1"], samples=1, lengths=[1024],
+                     chat=True)
+    sample = build_samples(cfg, chat_model.tokenizer)[0]
+    head, tail = chat.frame(chat_model.tokenizer)
+    text = chat_model.tokenizer.decode(sample["input_ids"], skip_special_tokens=False)
+    assert sample["input_ids"][: len(head)] == head and len(sample["input_ids"]) <= 1024 - 128  # 128 new tokens
+    assert text.endswith("<eos>\n<|assistant|>\n" + sample["answer_prefix"].lstrip())
+    lb = build_samples(EvalConfig(benchmark="longbench", model=str(chat_dir), tasks=["trec"], samples=1,
+                                  lengths=[1500], chat=True), chat_model.tokenizer)[0]
+    assert lb["input_ids"][: len(head)] == head and lb["input_ids"][-len(tail):] == tail
+    assert len(lb["input_ids"]) == 1500
+    with pytest.raises(ValueError, match="--chat supports ruler and longbench"):
+        EvalConfig(benchmark="niah", chat=True).validate()

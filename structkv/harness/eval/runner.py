@@ -12,7 +12,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ... import methods as methods_registry
@@ -23,7 +23,7 @@ from . import metrics
 BENCHMARKS = ("ruler", "longbench", "niah")
 # Settings that define what a result means: a folder cannot mix runs that differ in these.
 DEFAULT_SAMPLES = 10  # generated samples per task (RULER, niah) when not given
-IDENTITY = ("benchmark", "model", "seed", "struct_budget", "max_new_tokens", "window", "longbench_full")
+IDENTITY = ("benchmark", "model", "seed", "struct_budget", "max_new_tokens", "window", "longbench_full", "chat")
 
 
 @dataclass
@@ -43,6 +43,9 @@ class EvalConfig:
     longbench_full: bool = False  # LongBench: the full task files instead of subset/
     data_dir: str | None = None
     compile: bool = True
+    # Instruct models: each task prompt becomes one user turn of the model's chat template (RULER's
+    # answer prefix, where a task has one, follows the opened assistant turn).
+    chat: bool = False
     # One prefill per group of methods that compute the same hidden states, and one stacked decode
     # of every method's state per sample (same predictions, ~4x less work). False: every method
     # runs alone, so each record's prefill and decode times are its own call's.
@@ -64,6 +67,8 @@ class EvalConfig:
             raise ValueError(f"the structural budget is a ratio in (0, 1], got {self.struct_budget}")
         if self.samples is not None and self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if self.chat and self.benchmark == "niah":
+            raise ValueError("--chat supports ruler and longbench; the needle grid runs plain prompts")
         for d in self.depths:
             if not 0 <= d <= 1:
                 raise ValueError(f"needle depths are fractions in [0, 1], got {d}")
@@ -138,6 +143,8 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
     """Every sample of the run, each with `input_ids`, gold `outputs`, `metric` and its key fields.
     With `progress`, a line on stderr says what is being built (a large run takes minutes here)."""
     tasks = cfg.tasks or cfg.all_tasks()
+    wrap = _chat_wrapper(tokenizer) if cfg.chat else None
+    markup = len(wrap([], "")) if wrap else 0  # the chat turn's own tokens come out of the length budget
     out = []
     for length in cfg.lengths:
         if cfg.benchmark == "ruler":
@@ -146,16 +153,25 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
                 n = cfg.task_samples(task)
                 for start in range(0, n, 10):  # in steps of 10 (samples are independent), to show progress
                     _building(progress, f"RULER {task} at {length} tokens: {start + 1}-{min(n, start + 10)} of {n}")
-                    for rec in generate(task, tokenizer, length, min(10, n - start), seed=cfg.seed,
+                    for rec in generate(task, tokenizer, length - markup, min(10, n - start), seed=cfg.seed,
                                         data_dir=cfg.data_dir, start=start):
-                        rec["input_ids"] = tokenizer.encode(rec.pop("input"))
+                        text, prefix = rec.pop("input"), rec["answer_prefix"]
+                        if wrap:
+                            ids = tokenizer.encode(text[: len(text) - len(prefix)], add_bos=False)
+                            rec["input_ids"] = wrap(ids, prefix.lstrip())
+                        else:
+                            rec["input_ids"] = tokenizer.encode(text)
                         out.append({**rec, "length_budget": length})
         elif cfg.benchmark == "longbench":
             from .longbench import load
             for task in tasks:
                 _building(progress, f"LongBench {task} at {length} tokens")
-                for rec in load(task, tokenizer, length, root=cfg.data_dir, subset=not cfg.longbench_full,
-                                samples=cfg.samples):
+                bos = 1 if wrap and tokenizer.add_bos and tokenizer.bos_id is not None else 0  # dropped below
+                for rec in load(task, tokenizer, length - markup + bos, root=cfg.data_dir,
+                                subset=not cfg.longbench_full, samples=cfg.samples):
+                    if wrap:
+                        ids = rec["input_ids"]
+                        rec["input_ids"] = wrap(ids[1:] if ids[:1] == [tokenizer.bos_id] else ids, "")
                     out.append({**rec, "length_budget": length})
         else:
             from ...data import needle_prompt
@@ -169,6 +185,15 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
     if progress and sys.stderr.isatty():
         print(file=sys.stderr)
     return out
+
+
+def _chat_wrapper(tokenizer):
+    """(content ids, answer prefix) -> the ids of one user turn with the assistant's turn opened
+    and the prefix after it; the content is not re-tokenized (`structkv.chat.frame`)."""
+    from ...chat import frame
+
+    head, tail = frame(tokenizer)
+    return lambda ids, prefix: head + list(ids) + tail + (tokenizer.encode(prefix, add_bos=False) if prefix else [])
 
 
 def _building(enabled: bool, what: str) -> None:
@@ -257,7 +282,9 @@ def _check_settings(cfg: EvalConfig, out: Path) -> None:
     except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
         raise ValueError(f"{conf_path} is unreadable, so the settings of the results in {out} are unknown; "
                          "restore it or choose another --out folder") from None
-    clash = {k: (old.get(k), getattr(cfg, k)) for k in IDENTITY if old.get(k) != getattr(cfg, k)}
+    defaults = {f.name: f.default for f in fields(EvalConfig)}  # a key older folders lack: its default
+    clash = {k: (old.get(k, defaults.get(k)), getattr(cfg, k)) for k in IDENTITY
+             if old.get(k, defaults.get(k)) != getattr(cfg, k)}
     if clash:
         raise ValueError(f"{out} holds results made with other settings {clash}; choose another --out folder")
 
@@ -490,7 +517,9 @@ def summary_markdown(result: dict, cfg: EvalConfig | None = None) -> str:
             what = f"up to {cfg.samples} record(s)" if cfg.samples else "every record"
         else:
             what = f"{cfg.samples or DEFAULT_SAMPLES} sample(s)"
-        lines.append(f"# {cfg.benchmark} on {cfg.model}: {what} per task{partial}, R_struct {cfg.struct_budget}\n")
+        chat = ", prompts in the model's chat template" if cfg.chat else ""
+        lines.append(f"# {cfg.benchmark} on {cfg.model}: {what} per task{partial}, R_struct {cfg.struct_budget}"
+                     f"{chat}\n")
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["method"], "-" if r["kv_budget"] is None else f"{r['kv_budget']:g}", str(r["length"])]
