@@ -75,10 +75,25 @@ class Stream:
     def view(self, i: int, qkv: tuple, scale: float, timer: Timer) -> LayerView:
         return LayerView(i, *qkv, self.positions, self.columns, scale, timer=timer)
 
+    def kept_columns(self) -> torch.Tensor:
+        """(B, n) prompt columns of the current tokens, -1 on padding."""
+        return torch.where(self.positions >= 0, self.columns, torch.full_like(self.columns, -1))
+
     def gather(self, model, pruner, indices: torch.Tensor) -> "Stream":
         """The kept tokens (B, K) as a new stream, original positions kept."""
         h, cols, pos = pruner.gather(indices, self.h, self.columns, positions=self.positions)
         return Stream(h, pos, cols, model.rope_tables(pos))
+
+
+def plan_method(model, method: Method, lengths, num_tokens: int, room: int):
+    """The method's per-layer KV plan, its propagation and the cache it fills (None when the
+    propagation restarts: the restart makes the cache)."""
+    cfg = model.config
+    plan, prop = method.kv_plan(cfg, lengths), method.propagation(cfg, lengths)
+    budgets = [max(plan[i]) if i in plan else num_tokens for i in range(cfg.num_layers)]
+    cache = None if prop is not None and prop.restart else BudgetedKVCache.for_model(
+        cfg, len(lengths), budgets, room, model.dtype, model.device)
+    return plan, prop, cache
 
 
 def check_scorable(cfg) -> None:
@@ -101,12 +116,10 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
     `compile`: False (eager), True (inductor) or a backend: each layer block runs compiled with a
     dynamic length. `timer`: a `structkv.timing.Timer` to fill the phase times of the stats.
     """
-    method, cfg, (B, S) = method or Full(), model.config, tokens.shape
+    method, cfg, S = method or Full(), model.config, tokens.shape[1]
     check_scorable(cfg)
     t0, lengths = clock(), (positions >= 0).sum(1)
-    plan, prop = method.kv_plan(cfg, lengths), method.propagation(cfg, lengths)
-    cache = None if prop is not None and prop.restart else BudgetedKVCache.for_model(
-        cfg, B, [max(plan[i]) if i in plan else S for i in range(cfg.num_layers)], room, model.dtype, model.device)
+    plan, prop, cache = plan_method(model, method, lengths, S, room)
     if prop is not None:
         prop.begin(S, tokens.device)
     stream, block, processed = Stream.start(model, tokens, positions), layer_block(compile, cfg), []
@@ -129,7 +142,7 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
             stream = stream.gather(model, prop.pruner, kept)
     logits = model.logits(stream.h[:, -1])
     next_positions = stream.positions.max(dim=1, keepdim=True).values + 1  # (B, 1)
-    kept_columns = torch.where(stream.positions >= 0, stream.columns, torch.full_like(stream.columns, -1))
+    kept_columns = stream.kept_columns()
     stats = prefill_stats(model, method, lengths, processed, cache, prop, clock() - t0, timer)
     return CompressedState(cache, logits, next_positions, lengths.tolist(), method, stats, kept_columns,
                            weakref.ref(model))

@@ -18,7 +18,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compress import CompressedState, Stream, check_scorable, layer_block, prefill_stats, restart, select_kv
+from .compress import (
+    CompressedState,
+    Stream,
+    check_scorable,
+    layer_block,
+    plan_method,
+    prefill_stats,
+    restart,
+    select_kv,
+)
 from .methods import Full, Method
 from .models.kv_cache import BudgetedKVCache
 from .timing import Timer, clock
@@ -90,14 +99,10 @@ def compress_shared(model, tokens: torch.Tensor, positions: torch.Tensor, method
 
 
 def _plan(model, tokens, positions, methods, lengths, room):
-    cfg, (B, S) = model.config, tokens.shape
+    S = tokens.shape[1]
     targets, groups = [], {}
     for m in methods:
-        plan, prop = m.kv_plan(cfg, lengths), m.propagation(cfg, lengths)
-        budgets = [max(plan[i]) if i in plan else S for i in range(cfg.num_layers)]
-        cache = None if prop is not None and prop.restart else BudgetedKVCache.for_model(
-            cfg, B, budgets, room, model.dtype, model.device)
-        targets.append(_Target(m, plan, prop, cache))
+        targets.append(_Target(m, *plan_method(model, m, lengths, S, room)))
         groups.setdefault(m.prefill_key(), []).append(targets[-1])
     trunk = Stream.start(model, tokens, positions)
     lanes = []
@@ -155,8 +160,8 @@ def _finish(model, lanes: list[_Lane], lengths) -> None:
         st = lane.stream
         if id(st) not in finals:
             t = clock()
-            kept = torch.where(st.positions >= 0, st.columns, torch.full_like(st.columns, -1))
-            finals[id(st)] = (model.logits(st.h[:, -1]), st.positions.max(dim=1, keepdim=True).values + 1, kept,
+            finals[id(st)] = (model.logits(st.h[:, -1]), st.positions.max(dim=1, keepdim=True).values + 1,
+                              st.kept_columns(),
                               clock() - t)
         logits, next_positions, kept, spent = finals[id(st)]
         for target in lane.targets:
