@@ -184,7 +184,7 @@ def _eval(args) -> int:
                      struct_budget=args.struct_budget, lengths=args.lengths, tasks=args.tasks, samples=args.samples,
                      depths=args.depths, seed=args.seed, max_new_tokens=args.max_new_tokens, window=args.window,
                      longbench_full=args.longbench_full, data_dir=args.data, compile=not args.eager,
-                     shared=not args.separate, chat=args.chat)
+                     shared=not args.separate, chat=args.chat, question_after=args.question_after_compression)
     cfg.validate()  # bad names and data folders fail before the model loads
     if args.report:
         from structkv.harness.eval.runner import report
@@ -299,6 +299,10 @@ def main(argv=None) -> int:
     e.add_argument("--chat", action="store_true",
                    help="instruct models: each prompt as one user turn of the model's chat template (ruler, "
                         "longbench); RULER's answer prefix follows the opened assistant turn")
+    e.add_argument("--question-after-compression", action="store_true",
+                   help="query-agnostic (ruler, longbench): compress the context without the question, then "
+                        "append the question (and, with --chat, the end of the turn) uncompressed; default: "
+                        "the whole prompt is compressed (query-aware)")
     e.add_argument("--seed", type=int, default=42)
     e.add_argument("--data", default=None, help=DATA_HELP)
     e.add_argument("--out", required=True, help="result folder; rerunning with the same folder resumes")

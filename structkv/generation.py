@@ -219,7 +219,7 @@ def _decode_loop(model, logits, next_pos, cache, max_new_tokens, temperature, to
 @torch.inference_mode()
 def generate_states(model, states, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
                     top_p: float | None = None, stop_at_eos: bool = True, compile=True,
-                    seed: int | None = None) -> list[GenerationResult]:
+                    seed: int | None = None, question=None) -> list[GenerationResult]:
     """Continue several compressed prompts (`CompressedState`s, e.g. every method's state from
     `structkv.compress_shared`) in one batched decode: their caches are stacked row-wise
     (`StackedKVCache`), so each step reads the weights once for all of them. Each result equals
@@ -227,6 +227,10 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
 
     Per-state stats: the state's prefill stats plus the new tokens; the decode time is shared
     (`decode_s`, `decode_rows`), so `decode_tokens_per_s` is not per method and is left NaN.
+
+    `question` (text or ids, the same for every state): appended uncompressed to every stacked
+    context before decoding, as `generate(model, question, state=...)` does for one state (the
+    states must be compressed with room for it plus the new tokens).
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
     if not states:
@@ -235,13 +239,20 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
     for state in states:
         state.check_model(model)
     cache = StackedKVCache([s.cache for s in states])
-    if cache.free() < max_new_tokens:
-        raise ValueError(f"{max_new_tokens} new tokens exceed the {cache.free()} free cache slots of these states; "
-                         "compress with room >= max_new_tokens")
+    asked = [] if question is None else _question_ids(model, question)
+    if cache.free() < len(asked) + max_new_tokens:
+        raise ValueError(f"{len(asked)} question + {max_new_tokens} new tokens exceed the {cache.free()} free cache "
+                         "slots of these states; compress with room >= question tokens + max_new_tokens")
     next_pos = torch.cat([s.next_positions for s in states])  # (R, 1)
-    if int(next_pos.max()) + max_new_tokens - 1 > limit:
-        raise ValueError(f"prompt + {max_new_tokens} new tokens exceed the model's {limit} positions")
+    if int(next_pos.max()) + len(asked) + max_new_tokens - 1 > limit:
+        raise ValueError(f"prompt + {len(asked)} question + {max_new_tokens} new tokens exceed the model's "
+                         f"{limit} positions")
     logits = torch.cat([s.logits for s in states])  # (R, V)
+    if asked:
+        rows = next_pos.shape[0]
+        positions = next_pos + torch.arange(len(asked), device=model.device)  # (R, S_q)
+        logits = model.extend(torch.tensor([asked], device=model.device).expand(rows, -1), positions, cache)
+        next_pos = positions[:, -1:] + 1
     backend = "inductor" if compile is True else compile
     decode = compiled_decode(backend) if backend else _decode
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
@@ -256,6 +267,7 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
         row += b
         texts = [model.tokenizer.decode(r) for r in rows] if model.tokenizer is not None else [None] * b
         stats = {**state.stats.as_dict(), "new_tokens": steps, "decode_s": decode_s, "decode_rows": len(ids),
+                 "question_tokens": len(asked),
                  "decode_tokens_per_s": float("nan"),
                  "kv_cache_bytes": sum(layer.nbytes() for layer in state.cache.layers)}
         results.append(GenerationResult(texts[0] if b == 1 else texts, rows[0] if b == 1 else rows, stats,
@@ -354,11 +366,8 @@ def _full_prefill(model, tokens, positions, max_new_tokens, backend, decode_back
     return cache, logits
 
 
-def _extend_state(model, state, question, max_new_tokens):
-    """Append `question` (same for every row) to a copy of the compressed context.
-
-    Returns the extended cache, the question's last logits (B, V), the next positions (B, 1) and
-    the tokens per row so far."""
+def _question_ids(model, question) -> list[int]:
+    """A question's token ids (text without BOS, or ids), checked against the vocabulary."""
     if isinstance(question, str):
         if model.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass the question as token ids")
@@ -367,10 +376,19 @@ def _extend_state(model, state, question, max_new_tokens):
         ids = ids_from_prompt(model, question)
     if not ids:
         raise ValueError("the question is empty: give at least one token")
-    state.check_model(model)
     bad = [i for i in ids if not 0 <= i < model.config.vocab_size]
     if bad:
         raise ValueError(f"the question has token ids outside the vocabulary [0, {model.config.vocab_size}): {bad[:5]}")
+    return ids
+
+
+def _extend_state(model, state, question, max_new_tokens):
+    """Append `question` (same for every row) to a copy of the compressed context.
+
+    Returns the extended cache, the question's last logits (B, V), the next positions (B, 1) and
+    the tokens per row so far."""
+    ids = _question_ids(model, question)
+    state.check_model(model)
     end = int(state.next_positions.max()) + len(ids) + max_new_tokens - 1
     if end > model.config.max_position_embeddings:
         raise ValueError(f"context ({int(state.next_positions.max())} tokens) + question ({len(ids)}) + "

@@ -144,3 +144,41 @@ def test_eval_chat_wraps_each_prompt(chat_dir, chat_model, tmp_path, capsys):
     assert len(lb["input_ids"]) == 1500
     with pytest.raises(ValueError, match="--chat supports ruler and longbench"):
         EvalConfig(benchmark="niah", chat=True).validate()
+
+
+def test_eval_question_after_compression(chat_dir, chat_model, byte_model_dir, tmp_path):
+    """Query-agnostic runs: the compressed part ends where the haystack ends, the question (and
+    the turn's end) follows uncompressed; together they are the query-aware prompt's tokens."""
+    pytest.importorskip("wonderwords")
+    from structkv.harness.eval.runner import EvalConfig, build_samples
+
+    tok = chat_model.tokenizer
+    for task in ("niah_single_1", "vt", "qa_1"):
+        common = dict(benchmark="ruler", model=str(chat_dir), tasks=[task], samples=1, lengths=[1536], chat=True)
+        aware = build_samples(EvalConfig(**common), tok)[0]
+        agnostic = build_samples(EvalConfig(**common, question_after=True), tok)[0]
+        question = tok.decode(agnostic["question_ids"], skip_special_tokens=False)
+        assert "?" in question or "Question" in question  # the query itself is not compressed
+        assert abs(len(agnostic["input_ids"]) + len(agnostic["question_ids"]) - len(aware["input_ids"])) <= 2
+        assert agnostic["question_ids"][-len(tok.encode(aware["answer_prefix"].lstrip(), add_bos=False)):] == \
+            aware["input_ids"][-len(tok.encode(aware["answer_prefix"].lstrip(), add_bos=False)):]
+    lb = build_samples(EvalConfig(benchmark="longbench", model=str(chat_dir), tasks=["trec"], samples=1,
+                                  lengths=[1500], question_after=True), tok)[0]
+    assert len(lb["input_ids"]) + len(lb["question_ids"]) == 1500  # only the context was middle-truncated
+    with pytest.raises(ValueError, match="--question-after-compression supports"):
+        EvalConfig(benchmark="niah", question_after=True).validate()
+
+    out = tmp_path / "qa"
+    argv = ["eval", "ruler", "--model", str(byte_model_dir), "--out", str(out), "--methods", "full,snapkv,structkv",
+            "--kv-budget", "0.3", "--lengths", "1024", "--tasks", "niah_single_1", "--samples", "1", "--eager",
+            "--quiet", "--question-after-compression"]
+    assert main(argv) == 0
+    assert json.loads((out / "config.json").read_text())["config"]["question_after"] is True
+    assert "question appended after compression" in (out / "summary.md").read_text()
+    shared = {r["label"]: r for r in map(json.loads, (out / "predictions.jsonl").read_text().splitlines())}
+    alone = tmp_path / "alone"
+    assert main([*argv[:5], str(alone), *argv[6:], "--separate"]) == 0
+    for r in map(json.loads, (alone / "predictions.jsonl").read_text().splitlines()):
+        assert r["prediction"] == shared[r["label"]]["prediction"]  # stacked extension == one state at a time
+        assert r["prompt_tokens"] == shared[r["label"]]["prompt_tokens"]
+        assert r["method"] == "full" or r["kv_cache_bytes"] < shared["full"]["kv_cache_bytes"]

@@ -32,18 +32,22 @@ def kquant_bytes(qtype, rows: int, cols: int, rng) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-def write_llama_gguf(path, hf_state: dict, cfg, qtype=Q.F32, seed=0):
-    """A GGUF of a HF llama state dict; 2-D projection weights stored as `qtype`. Returns the
-    float weights a correct reader must produce (dequantised, un-permuted, HF names)."""
+def write_llama_gguf(path, hf_state: dict, cfg, qtype=Q.F32, seed=0, arch="llama"):
+    """A GGUF of a HF llama-family state dict as llama.cpp's converter lays it out for `arch`
+    (q/k rows permuted for llama and mistral only; qwen2's biases, qwen3's q/k norms); 2-D
+    projection weights stored as `qtype`. Returns the float weights a correct reader must
+    produce (dequantised, un-permuted, HF names)."""
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     for key, value in {"block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
                        "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
                        "attention.head_count": cfg.num_attention_heads,
-                       "attention.head_count_kv": cfg.num_key_value_heads}.items():
-        w.add_uint32(f"llama.{key}", value)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    w.add_float32("llama.rope.freq_base", 10000.0)  # the tiny model's default RoPE
+                       "attention.head_count_kv": cfg.num_key_value_heads,
+                       "attention.key_length": head_dim, "attention.value_length": head_dim}.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(TOKENS)
@@ -56,16 +60,20 @@ def write_llama_gguf(path, hf_state: dict, cfg, qtype=Q.F32, seed=0):
              "lm_head.weight": "output.weight"}
     parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     expected = {}
     for name, tensor in hf_state.items():
         x = tensor.float().numpy()
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # tied: the file has no output.weight
         if name in names:
             gname = names[name]
         else:
-            layer, part = name.split(".")[2], ".".join(name.split(".")[3:-1])
-            gname = f"blk.{layer}.{parts[part]}.weight"
+            layer, part, kind = name.split(".")[2], ".".join(name.split(".")[3:-1]), name.split(".")[-1]
+            gname = f"blk.{layer}.{parts[part]}.{kind}"
         heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(gname.split(".")[-2])
+        heads = heads if arch in ("llama", "mistral") else None  # llama.cpp permutes only these
         stored = permute(x, heads) if heads else x
         if x.ndim == 2 and "blk." in gname and qtype != Q.F32:
             if qtype in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K):
@@ -125,6 +133,37 @@ def test_tiny_llama_gguf_loads_exactly(tiny_llama, tmp_path, monkeypatch):
     assert tok.tokens(" the") == ["Ġthe"] and tok.decode(tok.encode("hello 12 the")) == "hello 12 the"
     assert tok.encode("<|im_start|>x")[0] == 1 and not tok.add_bos  # specials match whole; BOS as the file says
     assert from_gguf.config.eos_token_ids == (2,) and from_gguf.config.tie_word_embeddings is False
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3"])
+def test_other_llama_family_layouts_load_exactly(arch, tmp_path, monkeypatch):
+    """mistral (permuted q/k, full attention), qwen2 (q/k/v biases, tied head, no permutation),
+    qwen3 (q/k norms, head_dim apart from hidden/heads): same weights and logits as the HF folder."""
+    import transformers
+
+    monkeypatch.setenv("STRUCTKV_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    common = dict(vocab_size=len(TOKENS), hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+    cfg = {"mistral": lambda: transformers.MistralConfig(**common, sliding_window=None, tie_word_embeddings=False),
+           "qwen2": lambda: transformers.Qwen2Config(**common, tie_word_embeddings=True),
+           "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=64, tie_word_embeddings=False)}[arch]()
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # norms and biases start at 1 or 0: perturb them so a misplaced one shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(tmp_path / "hf")
+    write_llama_gguf(tmp_path / f"{arch}.gguf", model.state_dict(), cfg, arch=arch)
+    from_gguf, from_hf = structkv.load(tmp_path / f"{arch}.gguf"), structkv.load(tmp_path / "hf")
+    assert from_gguf.config.model_type == arch
+    for name, tensor in from_hf.state_dict().items():
+        assert torch.equal(from_gguf.state_dict()[name], tensor), name
+    ids = torch.randint(3, len(TOKENS), (1, 40), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(from_gguf(ids), from_hf(ids))
+    with torch.no_grad():
+        reference = model(ids).logits
+    assert torch.allclose(from_gguf(ids), reference, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K,

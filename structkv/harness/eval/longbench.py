@@ -79,8 +79,12 @@ def full_task_file(task: str) -> Path:
 
 
 def load(task: str, tokenizer, max_length: int, *, root=None, subset: bool = True,
-         samples: int | None = None) -> list[dict]:
-    """Records of `task` with the rendered, middle-truncated prompt (`input_ids`) and gold answers."""
+         samples: int | None = None, split_question: bool = False) -> list[dict]:
+    """Records of `task` with the rendered, middle-truncated prompt (`input_ids`) and gold answers.
+
+    `split_question`: `input_ids` is the prompt up to the end of the context and `question_ids`
+    what the template puts after it (the question and instructions; no template puts the input
+    before the context), for query-agnostic runs; only the context part is middle-truncated."""
     if max_length < 64:
         raise ValueError(f"max_length must be at least 64 tokens, got {max_length}")
     base = longbench_dir(root)
@@ -93,17 +97,26 @@ def load(task: str, tokenizer, max_length: int, *, root=None, subset: bool = Tru
             if samples is not None and index >= samples:
                 break
             row = json.loads(line)
-            prompt = templates[task].format(context=row["context"], input=row["input"])
-            ids = tokenizer.encode(prompt)
-            truncated = len(ids) > max_length
+            head, _, tail = templates[task].partition("{context}")
+            if split_question:
+                ids = tokenizer.encode(head.format(input=row["input"]) + row["context"])
+                question = tokenizer.encode(tail.format(input=row["input"]), add_bos=False)
+            else:
+                ids, question = tokenizer.encode(templates[task].format(context=row["context"], input=row["input"])), []
+            room = max_length - len(question)
+            if room < 32:
+                raise ValueError(f"{task} record {index}: its question alone takes {len(question)} of the "
+                                 f"{max_length} tokens; use a longer length")
+            truncated = len(ids) > room
             if truncated:  # keep the head (with BOS) and the tail, where the question is
-                half = max_length // 2
-                ids = ids[:half] + ids[len(ids) - (max_length - half):]
+                half = room // 2
+                ids = ids[:half] + ids[len(ids) - (room - half):]
             classes = row.get("all_classes") or []
             if isinstance(classes, str):  # the MiniLongBench subset stores the list as its repr
                 classes = ast.literal_eval(classes)
             records.append({"index": index, "task": task, "input_ids": ids, "outputs": list(row["answers"]),
-                            "all_classes": classes, "length": len(ids), "truncated": truncated,
+                            **({"question_ids": question} if split_question else {}),
+                            "all_classes": classes, "length": len(ids) + len(question), "truncated": truncated,
                             "max_new_tokens": int(max_new[task]), "metric": LONGBENCH_METRIC[task]})
     if not records:
         raise ValueError(f"{path} holds no records")

@@ -3,7 +3,8 @@
 Templates, task configs, answer prefixes and metrics follow RULER (hsiehjackson/RULER, Apache-2.0;
 see docs/ruler_notes.md). Records have RULER's fields (`index`, `input` = prompt
 with the answer prefix appended, `outputs` = gold strings, `length` = prompt tokens) plus
-`task`, `answer_prefix`, `max_new_tokens` and `metric`.
+`task`, `answer_prefix`, `question` (the text after the haystack, answer prefix included: what a
+query-agnostic run appends after compressing the rest), `max_new_tokens` and `metric`.
 
 Deliberate differences, none of which changes what a task asks:
 - every sample has its own seeded `random.Random`, so sample i is the same whether 1 or 500 are
@@ -219,7 +220,7 @@ def _niah_sample(task: Task, rng: random.Random, size: int, root) -> tuple[str, 
     if q * v == 1:
         template, prefix, kind = _singular(template), _singular(prefix), kind[:-1]
     prompt = template.format(type_needle_v=kind, context=context, query=query)
-    return prompt, prefix.format(type_needle_v=kind, query=query), answers
+    return prompt, prefix.format(type_needle_v=kind, query=query), answers, _question(prompt, context)
 
 
 def _vt_chain(rng: random.Random, hops: int, letters: int) -> tuple[list[str], list[str]]:
@@ -244,12 +245,12 @@ def _vt_text(rng: random.Random, noises: int, hops: int, letters: int) -> tuple[
     context = " ".join(sentences).replace(". \n", ".\n")
     value = chain[0].split("=")[-1].strip()
     prompt = VT_TEMPLATE.format(context=context, query=value)
-    return prompt, VT_ANSWER_PREFIX.format(num_v=hops + 1, query=value), names
+    return prompt, VT_ANSWER_PREFIX.format(num_v=hops + 1, query=value), names, _question(prompt, context)
 
 
 def _vt_sample(task, rng, size, root, example: str):
-    prompt, prefix, names = _vt_text(rng, size, task.opt("hops"), 5)
-    return example + "\n\n" + prompt, prefix, names
+    prompt, prefix, names, question = _vt_text(rng, size, task.opt("hops"), 5)
+    return example + "\n\n" + prompt, prefix, names, question
 
 
 def _vt_example(rng: random.Random, task: Task, tokenizer) -> str:
@@ -257,10 +258,10 @@ def _vt_example(rng: random.Random, task: Task, tokenizer) -> str:
     noises = 1
     while True:
         state = rng.getstate()
-        prompt, prefix, names = _vt_text(rng, noises + 1, min(10, task.opt("hops")), 3)
+        prompt, prefix, names, _ = _vt_text(rng, noises + 1, min(10, task.opt("hops")), 3)
         if len(tokenizer.encode(prompt + prefix)) > 500 - 30:
             rng.setstate(state)
-            prompt, prefix, names = _vt_text(rng, noises, min(10, task.opt("hops")), 3)
+            prompt, prefix, names, _ = _vt_text(rng, noises, min(10, task.opt("hops")), 3)
             return prompt + prefix + " ".join(names)
         rng.setstate(state)
         noises += 1
@@ -291,7 +292,8 @@ def _cwe_sample(task, rng, size, root, length: int):
         context, answer = _cwe_list(rng, size, task.opt("freq_cw"), task.opt("freq_ucw"), common)
     shown = CWE_TEMPLATE.format(context=example) + CWE_ANSWER_PREFIX + " " + " ".join(
         f"{i + 1}. {w}" for i, w in enumerate(example_answer))
-    return shown + "\n" + CWE_TEMPLATE.format(context=context), CWE_ANSWER_PREFIX, answer
+    prompt = shown + "\n" + CWE_TEMPLATE.format(context=context)
+    return prompt, CWE_ANSWER_PREFIX, answer, _question(prompt, context)
 
 
 def _zeta(alpha: float) -> float:
@@ -311,7 +313,9 @@ def _fwe_sample(task, rng, size, root, length: int):
     z = _zeta(alpha)
     words = [w for k, w in enumerate(ranked, start=1) for _ in range(int(size * k ** -alpha / z))]
     rng.shuffle(words)
-    return FWE_TEMPLATE.format(context=" ".join(words)), FWE_ANSWER_PREFIX, ranked[1:4]
+    context = " ".join(words)
+    prompt = FWE_TEMPLATE.format(context=context)
+    return prompt, FWE_ANSWER_PREFIX, ranked[1:4], _question(prompt, context)
 
 
 def _qa_sample(task, rng, size, root, index: int):
@@ -330,7 +334,14 @@ def _qa_sample(task, rng, size, root, index: int):
         picked = list(docs)
     rng.shuffle(picked)
     context = "\n\n".join(f"Document {i + 1}:\n{d}" for i, d in enumerate(picked))
-    return QA_TEMPLATE.format(context=context, query=question), QA_ANSWER_PREFIX, answers
+    prompt = QA_TEMPLATE.format(context=context, query=question)
+    return prompt, QA_ANSWER_PREFIX, answers, _question(prompt, context)
+
+
+def _question(prompt: str, context: str) -> str:
+    """What follows the haystack: the question (and instructions), which a query-agnostic run
+    appends only after the context was compressed."""
+    return prompt[prompt.rindex(context) + len(context):]
 
 
 # ------------------------------------------------------------------------------ sizing
@@ -376,7 +387,7 @@ def generate(task: str, tokenizer, length: int, samples: int, *, seed: int = 42,
     budget = length - spec.max_new_tokens
 
     def tokens_at(index, size):
-        prompt, prefix, _ = _build(task, index, size, seed, length, root, tokenizer)
+        prompt, prefix, _, _ = _build(task, index, size, seed, length, root, tokenizer)
         return len(tokenizer.encode(prompt + prefix))
 
     records = []
@@ -395,9 +406,10 @@ def generate(task: str, tokenizer, length: int, samples: int, *, seed: int = 42,
         while hi - lo > 1:  # largest size that fits
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if tokens_at(index, mid) <= budget else (lo, mid)
-        prompt, prefix, answers = _build(task, index, lo, seed, length, root, tokenizer)
+        prompt, prefix, answers, question = _build(task, index, lo, seed, length, root, tokenizer)
         text = prompt + prefix
-        records.append({"index": index, "task": task, "input": text, "outputs": answers,
+        records.append({"index": index, "task": task, "input": text, "question": question + prefix,
+                        "outputs": answers,
                         "length": len(tokenizer.encode(text)), "answer_prefix": prefix,
                         "max_new_tokens": spec.max_new_tokens, "metric": spec.metric})
     return records

@@ -23,7 +23,8 @@ from . import metrics
 BENCHMARKS = ("ruler", "longbench", "niah")
 # Settings that define what a result means: a folder cannot mix runs that differ in these.
 DEFAULT_SAMPLES = 10  # generated samples per task (RULER, niah) when not given
-IDENTITY = ("benchmark", "model", "seed", "struct_budget", "max_new_tokens", "window", "longbench_full", "chat")
+IDENTITY = ("benchmark", "model", "seed", "struct_budget", "max_new_tokens", "window", "longbench_full", "chat",
+            "question_after")
 
 
 @dataclass
@@ -50,6 +51,9 @@ class EvalConfig:
     # of every method's state per sample (same predictions, ~4x less work). False: every method
     # runs alone, so each record's prefill and decode times are its own call's.
     shared: bool = True
+    # Query-agnostic (kvpress' setting): the context is compressed without the question, which is
+    # appended uncompressed afterwards. False: the whole prompt is compressed (query-aware).
+    question_after: bool = False
 
     def validate(self, model_config=None) -> None:
         if self.benchmark not in BENCHMARKS:
@@ -69,6 +73,9 @@ class EvalConfig:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if self.chat and self.benchmark == "niah":
             raise ValueError("--chat supports ruler and longbench; the needle grid runs plain prompts")
+        if self.question_after and self.benchmark == "niah":
+            raise ValueError("--question-after-compression supports ruler and longbench; the needle grid's "
+                             "prompts have no separate question")
         for d in self.depths:
             if not 0 <= d <= 1:
                 raise ValueError(f"needle depths are fractions in [0, 1], got {d}")
@@ -144,7 +151,7 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
     With `progress`, a line on stderr says what is being built (a large run takes minutes here)."""
     tasks = cfg.tasks or cfg.all_tasks()
     wrap = _chat_wrapper(tokenizer) if cfg.chat else None
-    markup = len(wrap([], "")) if wrap else 0  # the chat turn's own tokens come out of the length budget
+    markup = sum(map(len, wrap())) if wrap else 0  # the chat turn's own tokens come out of the length budget
     out = []
     for length in cfg.lengths:
         if cfg.benchmark == "ruler":
@@ -155,23 +162,20 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
                     _building(progress, f"RULER {task} at {length} tokens: {start + 1}-{min(n, start + 10)} of {n}")
                     for rec in generate(task, tokenizer, length - markup, min(10, n - start), seed=cfg.seed,
                                         data_dir=cfg.data_dir, start=start):
-                        text, prefix = rec.pop("input"), rec["answer_prefix"]
-                        if wrap:
-                            ids = tokenizer.encode(text[: len(text) - len(prefix)], add_bos=False)
-                            rec["input_ids"] = wrap(ids, prefix.lstrip())
-                        else:
-                            rec["input_ids"] = tokenizer.encode(text)
-                        out.append({**rec, "length_budget": length})
+                        out.append({**rec, **_ruler_ids(rec.pop("input"), rec.pop("question"), rec["answer_prefix"],
+                                                        tokenizer, wrap, cfg.question_after),
+                                    "length_budget": length})
         elif cfg.benchmark == "longbench":
             from .longbench import load
             for task in tasks:
                 _building(progress, f"LongBench {task} at {length} tokens")
                 bos = 1 if wrap and tokenizer.add_bos and tokenizer.bos_id is not None else 0  # dropped below
                 for rec in load(task, tokenizer, length - markup + bos, root=cfg.data_dir,
-                                subset=not cfg.longbench_full, samples=cfg.samples):
-                    if wrap:
+                                subset=not cfg.longbench_full, samples=cfg.samples, split_question=cfg.question_after):
+                    if wrap:  # the tokenizer's BOS is the template's business
                         ids = rec["input_ids"]
-                        rec["input_ids"] = wrap(ids[1:] if ids[:1] == [tokenizer.bos_id] else ids, "")
+                        rec["input_ids"] = ids[1:] if ids[:1] == [tokenizer.bos_id] else ids
+                    rec.update(_split(rec.pop("input_ids"), rec.pop("question_ids", []), [], wrap, cfg.question_after))
                     out.append({**rec, "length_budget": length})
         else:
             from ...data import needle_prompt
@@ -188,12 +192,35 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
 
 
 def _chat_wrapper(tokenizer):
-    """(content ids, answer prefix) -> the ids of one user turn with the assistant's turn opened
-    and the prefix after it; the content is not re-tokenized (`structkv.chat.frame`)."""
+    """() -> (ids before, ids after) the content of one user turn, the assistant's turn opened
+    after it (an answer prefix goes after that); content is not re-tokenized (`structkv.chat.frame`)."""
     from ...chat import frame
 
     head, tail = frame(tokenizer)
-    return lambda ids, prefix: head + list(ids) + tail + (tokenizer.encode(prefix, add_bos=False) if prefix else [])
+    return lambda: (head, tail)
+
+
+def _ruler_ids(text: str, question: str, prefix: str, tokenizer, wrap, question_after: bool) -> dict:
+    """A RULER record's token ids: `input_ids` (what is compressed) and, with `question_after`,
+    `question_ids` (the text after the haystack, appended uncompressed)."""
+    if wrap:  # the answer prefix follows the opened assistant turn
+        text, question = text[: len(text) - len(prefix)], question[: len(question) - len(prefix)]
+    bos = not wrap
+    if question_after:
+        ids = tokenizer.encode(text[: len(text) - len(question)], add_bos=bos)
+        asked = tokenizer.encode(question, add_bos=False)
+    else:
+        ids, asked = tokenizer.encode(text, add_bos=bos), []
+    answer = tokenizer.encode(prefix.lstrip(), add_bos=False) if wrap and prefix else []
+    return _split(ids, asked, answer, wrap, question_after)
+
+
+def _split(context: list[int], question: list[int], answer: list[int], wrap, question_after: bool) -> dict:
+    """`input_ids` = the part compressed; `question_ids` (query-agnostic runs only) = the rest,
+    with the chat turn's markup around the content when `wrap` is given."""
+    head, tail = wrap() if wrap else ([], [])
+    before, after = head + context, question + tail + answer
+    return {"input_ids": before, "question_ids": after} if question_after else {"input_ids": before + after}
 
 
 def _building(enabled: bool, what: str) -> None:
@@ -334,8 +361,6 @@ class Progress:
 
 def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool = True) -> dict:
     """Run (or resume) the evaluation into `out`; returns the metrics (also written as files)."""
-    from ...generation import generate
-
     if model is None:
         from ...models import load
         model = load(cfg.model)
@@ -357,7 +382,8 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
                 "key": sample_key(label, sample), "method": s["method"], "label": label, "kv_budget": budget,
                 "struct_budget": cfg.struct_budget if methods_registry.struct_budget_option(name) else None,
                 "length_budget": sample["length_budget"], "task": sample["task"], "index": sample["index"],
-                "depth": sample.get("depth"), "prompt_tokens": len(sample["input_ids"]),
+                "depth": sample.get("depth"),
+                "prompt_tokens": len(sample["input_ids"]) + len(sample.get("question_ids", [])),
                 "prediction": result.text, "outputs": sample["outputs"], "score": score(sample, result.text),
                 "prefill_s": s["prefill_s"], "decode_tokens_per_s": s["decode_tokens_per_s"],
                 "new_tokens": s["new_tokens"], "kv_cache_bytes": s["kv_cache_bytes"],
@@ -381,7 +407,8 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
                 if not todo:
                     continue
                 graphs = _graphs_compiled()
-                results = _run_shared(model, sample["input_ids"], [t[3] for t in todo], _cap(cfg, sample), cfg.compile)
+                results = _run_shared(model, sample["input_ids"], [t[3] for t in todo], _cap(cfg, sample), cfg.compile,
+                                      sample.get("question_ids"))
                 for (label, name, budget, _), result in zip(todo, results):
                     s = result.stats
                     file(label, name, budget, sample, result, graphs, decode_tokens_per_s=None, shared=True,
@@ -394,8 +421,7 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
                         bar.step(_what(label, sample), skipped=True)
                         continue
                     graphs = _graphs_compiled()
-                    result = generate(model, sample["input_ids"], max_new_tokens=_cap(cfg, sample), method=method,
-                                      compile=cfg.compile)
+                    result = _run_alone(model, sample, method, _cap(cfg, sample), cfg.compile)
                     file(label, name, budget, sample, result, graphs)
     bar.close()
     return _report(cfg, out, done)
@@ -452,16 +478,35 @@ def _cap(cfg: EvalConfig, sample: dict) -> int:
     return sample["max_new_tokens"] if cfg.max_new_tokens is None else min(cfg.max_new_tokens, sample["max_new_tokens"])
 
 
-def _run_shared(model, input_ids: list[int], methods: list, max_new_tokens: int, compile) -> list:
+def _run_shared(model, input_ids: list[int], methods: list, max_new_tokens: int, compile, question=None) -> list:
     """Every method on one prompt: one prefill pass (methods share the layers before their
-    propagation), then one stacked decode of all their states. Results in the order of `methods`."""
+    propagation), then one stacked decode of all their states (after the `question`, when the
+    run is query-agnostic, appended to each). Results in the order of `methods`."""
     from ...generation import generate_states
     from ...prompts import encode_batch
     from ...shared import compress_shared
 
     tokens, positions, _ = encode_batch(model, [input_ids])
-    states = compress_shared(model, tokens, positions, methods, room=max_new_tokens, compile=compile)
-    return generate_states(model, states, max_new_tokens=max_new_tokens, compile=compile)
+    room = max_new_tokens + len(question or [])
+    states = compress_shared(model, tokens, positions, methods, room=room, compile=compile)
+    return generate_states(model, states, max_new_tokens=max_new_tokens, compile=compile, question=question)
+
+
+def _run_alone(model, sample: dict, method, max_new_tokens: int, compile):
+    """One method on one sample: the whole prompt compressed, or (query-agnostic) the context
+    compressed and the question appended to it."""
+    from ... import prefill
+    from ...generation import generate
+
+    question = sample.get("question_ids")
+    if question is None:
+        return generate(model, sample["input_ids"], max_new_tokens=max_new_tokens, method=method, compile=compile)
+    state = prefill(model, sample["input_ids"], method, room=len(question) + max_new_tokens, compile=compile)
+    result = generate(model, question, state=state, max_new_tokens=max_new_tokens, compile=compile)
+    asked = result.stats  # the context's compression figures, the question's extension in prefill_s
+    result.stats = {**state.stats.as_dict(), **{k: v for k, v in asked.items() if not k.startswith("context_")},
+                    "prefill_s": state.stats.prefill_s + asked["prefill_s"], "question_tokens": len(question)}
+    return result
 
 
 def _graphs_compiled() -> int:
@@ -518,6 +563,8 @@ def summary_markdown(result: dict, cfg: EvalConfig | None = None) -> str:
         else:
             what = f"{cfg.samples or DEFAULT_SAMPLES} sample(s)"
         chat = ", prompts in the model's chat template" if cfg.chat else ""
+        if cfg.question_after:
+            chat += ", question appended after compression (query-agnostic)"
         lines.append(f"# {cfg.benchmark} on {cfg.model}: {what} per task{partial}, R_struct {cfg.struct_budget}"
                      f"{chat}\n")
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
