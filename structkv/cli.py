@@ -44,8 +44,9 @@ def _demo(args) -> int:
     print(f"\nRULER {', '.join(DEMO_TASKS)} at {args.tokens} tokens, {args.samples} samples each, "
           f"R_KV {args.kv_budget}, R_struct {args.r_struct} ({time.perf_counter() - t0:.0f} s incl. compiles)\n")
     print(summary_markdown(result))
-    print("prefill s and decode tok/s are medians over calls that did not compile; KV MiB counts every layer "
-          "(Gemma 3's sliding-window layers keep their 512-token windows).")
+    print("prefill s and decode tok/s are medians over calls that did not compile; KV MiB kept counts the "
+          "entries the compression kept in every layer (after FastKV's or StructKV's propagation, Gemma 3's "
+          "later sliding-window layers hold only the skeleton's tokens of their window), alloc the buffers.")
     print(f"table, predictions and plots in {args.out}/")
     return 0
 
@@ -173,7 +174,7 @@ def _csv(kind):
 def _eval(args) -> int:
     import torch
 
-    from structkv.harness.eval.runner import EvalConfig, run
+    from structkv.harness.eval.runner import EvalConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -184,20 +185,21 @@ def _eval(args) -> int:
                      struct_budget=args.struct_budget, lengths=args.lengths, tasks=args.tasks, samples=args.samples,
                      depths=args.depths, seed=args.seed, max_new_tokens=args.max_new_tokens, window=args.window,
                      longbench_full=args.longbench_full, data_dir=args.data, compile=not args.eager,
-                     shared=not args.separate, chat=args.chat, question_after=args.question_after_compression)
+                     shared=not args.separate, chat=args.chat, question_after=args.question_after_compression,
+                     continuation=args.continuation)
     cfg.validate()  # bad names and data folders fail before the model loads
-    if args.report:
-        from structkv.harness.eval.runner import report
-
-        result = report(cfg, args.out, write=not args.no_write)
+    if args.benchmark == "fidelity":
+        from structkv.harness.eval import fidelity as bench
     else:
-        result = run(cfg, args.out, progress=not args.quiet)
-    from structkv.harness.eval.runner import summary_markdown
-
-    print(summary_markdown(result, cfg))
+        from structkv.harness.eval import runner as bench
+    if args.report:
+        result = bench.report(cfg, args.out, write=not args.no_write)
+    else:
+        result = bench.run(cfg, args.out, progress=not args.quiet)
+    print(bench.summary_markdown(result, cfg))
     if not args.no_write:
-        print(f"results in {args.out}: predictions.jsonl, metrics.json, summary.md, "
-              f"{', '.join(result.get('plots', []))}")
+        records = "records.jsonl" if args.benchmark == "fidelity" else "predictions.jsonl"
+        print(f"results in {args.out}: {records}, metrics.json, summary.md, {', '.join(result.get('plots', []))}")
     return 0
 
 
@@ -281,7 +283,9 @@ def main(argv=None) -> int:
     g.add_argument("--int8-head", action="store_true", help=INT8_HELP)
     g.set_defaults(fn=_generate)
     e = sub.add_parser("eval", help="accuracy of methods on RULER, LongBench or a needle grid (offline, resumable)")
-    e.add_argument("benchmark", choices=["ruler", "longbench", "niah"])
+    e.add_argument("benchmark", choices=["ruler", "longbench", "niah", "fidelity"],
+                   help="fidelity: KL to the full cache, top-1 agreement and gold NLL on RULER prompts "
+                        "(docs/evaluation.md)")
     e.add_argument("--model", default="gemma-3-270m", help="alias, HF folder, .gguf file or Hub id")
     e.add_argument("--methods", type=_csv(str), default=["full", "snapkv", "fastkv", "structkv"],
                    help="comma-separated registry names (structkv.methods.names())")
@@ -303,6 +307,8 @@ def main(argv=None) -> int:
                    help="query-agnostic (ruler, longbench): compress the context without the question, then "
                         "append the question (and, with --chat, the end of the turn) uncompressed; default: "
                         "the whole prompt is compressed (query-aware)")
+    e.add_argument("--continuation", type=_positive_int, default=64,
+                   help="fidelity: tokens of the full cache's greedy continuation scored per prompt")
     e.add_argument("--seed", type=int, default=42)
     e.add_argument("--data", default=None, help=DATA_HELP)
     e.add_argument("--out", required=True, help="result folder; rerunning with the same folder resumes")
@@ -325,7 +331,9 @@ def main(argv=None) -> int:
     b.add_argument("--lengths", type=_csv(int), default=[4096])
     b.add_argument("--kv-budget", type=float, default=0.1)
     b.add_argument("--struct-budget", type=float, default=0.2)
-    b.add_argument("--pivot", default="dynamic", help="StructKV pivot: dynamic or a depth fraction such as 0.5")
+    b.add_argument("--pivot", default=None,
+                   help="pivot of every structkv* method: dynamic or a depth fraction such as 0.5 (default: each "
+                        "method's own)")
     b.add_argument("--new-tokens", type=int, default=32)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--warmup", type=int, default=1)

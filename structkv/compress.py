@@ -10,7 +10,7 @@ its selected tokens with renumbered positions.
 Every token carries its original position (left padding = -1), so a kept subset attends exactly
 as it would in the full prompt. Hybrid models (Gemma 3): only full-attention layers are planned or
 scored; sliding layers keep their exact window as a ring. `structkv.shared.compress_shared` runs
-many methods in one pass with the same per-layer pieces (`Stream`, `LayerView`, `select_kv`).
+many methods in one pass with the same per-layer pieces (`Stream`, `LayerView`, `Retention`).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 from .methods import Full, Method
 from .models.decoder import run_block
 from .models.kv_cache import BudgetedKVCache
-from .modules import LayerView, select_tokens
+from .modules import LayerView
 from .prompts import encode_batch, is_batch
 from .stats import PrefillStats
 from .timing import NO_TIMER, Timer, clock
@@ -86,25 +86,19 @@ class Stream:
 
 
 def plan_method(model, method: Method, lengths, num_tokens: int, room: int):
-    """The method's per-layer KV plan, its propagation and the cache it fills (None when the
-    propagation restarts: the restart makes the cache)."""
+    """The method's per-layer KV plan, its propagation and the `Retention` that fills its cache
+    (None when the propagation restarts: the restart makes the cache)."""
     cfg = model.config
     plan, prop = method.kv_plan(cfg, lengths), method.propagation(cfg, lengths)
     budgets = [max(plan[i]) if i in plan else num_tokens for i in range(cfg.num_layers)]
     cache = None if prop is not None and prop.restart else BudgetedKVCache.for_model(
         cfg, len(lengths), budgets, room, model.dtype, model.device)
-    return plan, prop, cache
+    return plan, prop, None if cache is None else method.retention(plan, cache)
 
 
 def check_scorable(cfg) -> None:
     if not cfg.full_attention_layers:
         raise ValueError("the model has no full-attention layer to score; compression needs one")
-
-
-def select_kv(method: Method, view: LayerView, keep: list[int]) -> torch.Tensor:
-    """The entries a planned layer keeps: (B, Hkv, K) sorted indices, -1 left padding."""
-    idx = select_tokens(method.kv_scores(view), view.valid, keep, method.window)
-    return idx.expand(-1, view.k.shape[1], -1) if idx.shape[1] == 1 else idx
 
 
 @torch.inference_mode()
@@ -119,7 +113,7 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
     method, cfg, S = method or Full(), model.config, tokens.shape[1]
     check_scorable(cfg)
     t0, lengths = clock(), (positions >= 0).sum(1)
-    plan, prop, cache = plan_method(model, method, lengths, S, room)
+    plan, prop, store = plan_method(model, method, lengths, S, room)
     if prop is not None:
         prop.begin(S, tokens.device)
     stream, block, processed = Stream.start(model, tokens, positions), layer_block(compile, cfg), []
@@ -127,19 +121,21 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
         with timer.phase("blocks"):
             view = stream.view(i, stream.run_layer(model, i, block), cfg.scale, timer)
         processed.append(int(view.valid.sum()))
-        if cache is not None:
+        if store is not None:
             with timer.phase("selection"):
-                idx = select_kv(method, view, plan[i]) if i in plan else None
-            with timer.phase("cache_fill"):
-                cache.fill(i, view.k, view.v, view.positions, idx, check=False)
+                store.layer(view)
         kept = None
         if prop is not None:
             with timer.phase("propagation"):
                 kept = prop.after_layer(view)
         if kept is not None and prop.restart:
             return restart(model, tokens, stream, kept, method, prop, processed, lengths, room, compile, t0, timer)
+        if store is not None:
+            store.after_propagation(prop)
         if kept is not None:
             stream = stream.gather(model, prop.pruner, kept)
+    store.finish()  # (a restart returned above: every other method has a store)
+    cache = store.cache
     logits = model.logits(stream.h[:, -1])
     next_positions = stream.positions.max(dim=1, keepdim=True).values + 1  # (B, 1)
     kept_columns = stream.kept_columns()

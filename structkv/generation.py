@@ -163,6 +163,8 @@ def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, tem
             stats["method"] = "full"
     sync(model.device)
     t1 = time.perf_counter()
+    # What the compression kept of the prompt (of the context, from a state), before anything is appended.
+    kept = sum(state.cache.nbytes()) if state is not None else sum(cache.nbytes())
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
     ids, steps = _decode_loop(model, logits, next_pos, cache, max_new_tokens, temperature, top_k, top_p,
                               stop_at_eos, generator, decode, stream)
@@ -175,7 +177,8 @@ def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, tem
         "prefill_s": t1 - t0,
         "decode_s": t2 - t1,
         "decode_tokens_per_s": (steps - 1) * B / (t2 - t1) if steps > 1 and t2 > t1 else float("nan"),
-        "kv_cache_bytes": sum(layer.nbytes() for layer in cache.layers),
+        "kv_cache_bytes": sum(layer.nbytes() for layer in cache.layers),  # allocated, room included
+        "kv_bytes_kept": kept,
         "kv_entries": sum(int((layer.pos >= 0).sum()) for layer in cache.layers),
         "compiled_parts": [part for part, b in (("prefill", backend), ("decode", decode_backend)) if b],
     })
@@ -269,7 +272,8 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
         stats = {**state.stats.as_dict(), "new_tokens": steps, "decode_s": decode_s, "decode_rows": len(ids),
                  "question_tokens": len(asked),
                  "decode_tokens_per_s": float("nan"),
-                 "kv_cache_bytes": sum(layer.nbytes() for layer in state.cache.layers)}
+                 "kv_cache_bytes": sum(layer.nbytes() for layer in state.cache.layers),
+                 "kv_bytes_kept": sum(state.cache.nbytes())}
         results.append(GenerationResult(texts[0] if b == 1 else texts, rows[0] if b == 1 else rows, stats,
                                         state.stats))
     return results
@@ -312,7 +316,8 @@ def format_stats(stats: dict) -> str:
     pivot = stats.get("pivot_layer", stats.get("context_pivot_layer"))
     if pivot is not None:
         parts.append(f"pivot layer {pivot}")
-    parts.append(f"KV {stats['kv_entries']} entries, {stats['kv_cache_bytes'] / 2**20:.2f} MiB")
+    parts.append(f"KV {stats['kv_entries']} entries, {stats['kv_bytes_kept'] / 2**20:.2f} MiB of the prompt kept, "
+                 f"{stats['kv_cache_bytes'] / 2**20:.2f} MiB allocated")
     parts.append(f"{stats['new_tokens']} new tokens in {stats['decode_s']:.2f} s "
                  f"({stats['decode_tokens_per_s']:.1f} tok/s)")
     parts.append("compiled " + " and ".join(stats["compiled_parts"]) if stats.get("compiled_parts") else "eager")

@@ -26,10 +26,8 @@ from .compress import (
     plan_method,
     prefill_stats,
     restart,
-    select_kv,
 )
 from .methods import Full, Method
-from .models.kv_cache import BudgetedKVCache
 from .timing import Timer, clock
 
 
@@ -40,7 +38,7 @@ class _Target:
     method: Method
     plan: dict[int, list[int]]
     prop: object  # its Propagation (a lane runs its first method's)
-    cache: BudgetedKVCache | None
+    store: object  # its Retention (holds the cache), None when the method restarts
     own: Timer = field(default_factory=lambda: Timer(enabled=False))  # totals only, filled by hand
     other_s: float = 0.0  # embedding, layer blocks, logits, restart
 
@@ -123,13 +121,12 @@ def _layer(model, tokens, lane: _Lane, view, lengths, room, compile, timer: Time
         view.window_scores(window)
     for target in lane.targets:
         view.used = set()
-        if target.cache is not None:
+        if target.store is not None:
+            filled = timer.totals["cache_fill"]
             with timer.phase("selection") as span:
-                idx = select_kv(target.method, view, target.plan[view.layer]) if view.layer in target.plan else None
+                target.store.layer(view)
             target.own.totals["selection"] += span.seconds
-            with timer.phase("cache_fill") as span:
-                target.cache.fill(view.layer, view.k, view.v, view.positions, idx, check=False)
-            target.own.totals["cache_fill"] += span.seconds
+            target.own.totals["cache_fill"] += timer.totals["cache_fill"] - filled
         target.own.totals["scoring"] += view.seconds(view.used | lane_keys)
     if lane.prop is None:
         return
@@ -139,6 +136,10 @@ def _layer(model, tokens, lane: _Lane, view, lengths, room, compile, timer: Time
     for target in lane.targets:
         target.own.totals["scoring"] += lane.prop.scoring_s - before
         target.own.totals["propagation"] += span.seconds
+        if target.store is not None and not lane.prop.restart:
+            with timer.phase("selection") as span:
+                target.store.after_propagation(lane.prop)  # a guided retention may select held layers now
+            target.own.totals["selection"] += span.seconds
     if kept is None:
         return
     if lane.prop.restart:  # GemFilter: its own key, so one target
@@ -166,7 +167,9 @@ def _finish(model, lanes: list[_Lane], lengths) -> None:
         logits, next_positions, kept, spent = finals[id(st)]
         for target in lane.targets:
             target.other_s += spent
-        lane.states = [CompressedState(t.cache, logits, next_positions, lengths.tolist(), t.method, None, kept)
+        for t in lane.targets:
+            t.store.finish()
+        lane.states = [CompressedState(t.store.cache, logits, next_positions, lengths.tolist(), t.method, None, kept)
                        for t in lane.targets]
 
 

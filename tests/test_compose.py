@@ -2,8 +2,8 @@
 
 `Mini` is a small Llama written here from scratch: its own module names, its own RoPE (complex
 rotation of the two halves of each head), its own attention (explicit masked softmax). It loads
-the weights of a structkv model, and the glue that adds StructKV to it is the 13 lines marked
-`# glue` (10 in prefill, 3 in decode). The result must equal `structkv.generate` on the same
+the weights of a structkv model, and the glue that adds StructKV to it is the 16 lines marked
+`# glue` (13 in prefill, 3 in decode). The result must equal `structkv.generate` on the same
 weights: pivot, kept positions per layer, logits, greedy tokens.
 """
 import math
@@ -14,7 +14,6 @@ from torch import nn
 
 import structkv
 from structkv import methods
-from structkv.compress import select_kv
 from structkv.methods import Layout
 from structkv.models.kv_cache import BudgetedKVCache, round_capacity
 from structkv.modules import LayerView
@@ -98,15 +97,18 @@ def run_mini(mini, ids, method, new_tokens):
     plan, comp = method.kv_plan(layout, lengths), method.propagation(layout, lengths).begin(S)  # glue
     capacities = [round_capacity(max(plan[i]) + new_tokens) for i in range(L)]  # glue
     cache = BudgetedKVCache(1, mini.n_kv, mini.dim, capacities, [None] * L, h.dtype, h.device)  # glue
+    store = method.retention(plan, cache)  # glue
     cols = torch.arange(S)[None]  # glue
     for i in range(L):
         q, k, v = mini.qkv(i, h, pos)
         h = mini.finish(i, h, mini.attend(q, k, v, pos, pos))
         view = LayerView(i, q, k, v, pos, cols, 1 / math.sqrt(mini.dim))  # glue
-        cache.fill(i, k, v, pos, select_kv(method, view, plan[i]))  # glue
+        store.layer(view)  # glue
         kept = comp.after_layer(view)  # glue
+        store.after_propagation(comp)  # glue
         if kept is not None:  # glue
             h, cols, pos = comp.pruner.gather(kept, h, cols, positions=pos)  # glue
+    store.finish()  # glue
     logits = mini.logits(h[:, -1])
     out, next_pos = [int(logits.argmax())], S
     for _ in range(new_tokens - 1):
@@ -139,7 +141,7 @@ def test_structkv_in_a_foreign_decoder_equals_structkv_generate(pair, seed):
 
 
 def test_glue_is_short():
-    """The glue really is what the module docstring says: 13 lines through the public API."""
+    """The glue really is what the module docstring says: 16 lines through the public API."""
     import inspect
 
-    assert sum("# glue" in line for line in inspect.getsource(run_mini).splitlines()) == 13
+    assert sum("# glue" in line for line in inspect.getsource(run_mini).splitlines()) == 16

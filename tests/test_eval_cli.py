@@ -40,6 +40,10 @@ def test_ruler_run_writes_every_file_and_resumes(byte_model_dir, tmp_path, capsy
     # The KV budget shows in the cache: a 0.2 run keeps fewer entries than a 0.5 run.
     kv = {p["label"]: p["kv_cache_bytes"] for p in preds}
     assert kv["snapkv@0.2"] < kv["snapkv@0.5"] < kv["full"]
+    for p in preds:  # kept: the prompt's entries the compression kept, never more than allocated
+        assert 0 < p["kv_bytes_kept"] <= p["kv_cache_bytes"]
+        if p["method"] == "full":
+            assert p["kv_bytes_kept"] == p["prompt_tokens"] * 3 * 2 * 2 * 16 * 4  # layers x KV heads x K,V x dim x fp32
 
     rows = json.loads((out / "metrics.json").read_text())["rows"]
     assert sorted(r["label"] for r in rows) == ["full", "snapkv@0.2", "snapkv@0.5", "structkv@0.2", "structkv@0.5"]

@@ -80,11 +80,65 @@ def test_structkv_lambda0_fixed_pivot_equals_fastkv(arch, tiny_dir):
     model = structkv.load(tiny_dir(arch))
     p = model.config.full_attention_layers[0]
     ids = _ids(100, seed=3)
-    sk = _compress(model, ids, methods.StructKV(pivot=p, decay=0.0, r_struct=0.3, kv_budget=0.2))
+    sk = _compress(model, ids, methods.StructKV(pivot=p, decay=0.0, r_struct=0.3, kv_budget=0.2, beta=0.0,
+                                                skeleton="centrality"))
     fk = _compress(model, ids, methods.FastKV(tsp_layer=p, tsp_rate=0.3, kv_budget=0.2))
     assert torch.equal(sk.kept_columns, fk.kept_columns)
     _same_cache(sk, fk)
     assert torch.allclose(sk.logits, fk.logits, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("options", [{"guide": "pivot"}, {"guide": "centrality"}, {"skeleton": "union"},
+                                     {"skeleton": "pivot"}, {"equal_compute": True}])
+def test_structkv_options_keep_exact_budgets_and_the_window(arch, options, tiny_dir):
+    """Every StructKV option: each planned layer keeps exactly its budget per KV head, the window
+    among it; guided retention with beta=0 is the plain method; a pivot-only skeleton with decay 0
+    is the centrality skeleton."""
+    model = structkv.load(tiny_dir(arch))
+    ids = _ids(120, seed=4)
+    p = model.config.full_attention_layers[0]
+    method = methods.StructKV(kv_budget=0.2, r_struct=0.3, beta=3.0, pivot=p, **options)
+    state = _compress(model, ids, method)
+    keep = method.kv_keep(torch.tensor([120]))[0]
+    for i in model.config.full_attention_layers:
+        layer = state.cache.layers[i]
+        pos = layer.pos[0]  # (Hkv, capacity)
+        assert ((pos >= 0).sum(-1) == keep).all()
+        for h in range(pos.shape[0]):
+            assert set(range(112, 120)) <= set(pos[h][pos[h] >= 0].tolist())  # window kept
+    plain = _compress(model, ids, methods.StructKV(kv_budget=0.2, r_struct=0.3, pivot=p, beta=0.0,
+                                                   **{k: v for k, v in options.items() if k != "guide"}))
+    zero = _compress(model, ids, methods.StructKV(kv_budget=0.2, r_struct=0.3, pivot=p, **{**options, "beta": 0.0}))
+    _same_cache(plain, zero)
+
+
+def test_guided_retention_changes_what_early_layers_keep(llama):
+    """With beta > 0 the layers before the pivot are chosen after it, with the pivot's saliency:
+    they differ from the plain method's, the layers' sizes do not, and an enormous beta makes
+    every layer keep nearly the pivot layer's own choice (max-pooled ties are broken by each
+    layer's own scores)."""
+    ids = _ids(150, seed=6)
+    plain = _compress(llama, ids, methods.StructKV(kv_budget=0.2, pivot=2, beta=0.0))
+    guided = _compress(llama, ids, methods.StructKV(kv_budget=0.2, pivot=2, beta=1e6))
+    assert plain.stats["kv_entries_per_layer"] == guided.stats["kv_entries_per_layer"]
+    assert any(not torch.equal(a.pos, b.pos) for a, b in zip(plain.cache.layers[:2], guided.cache.layers[:2]))
+    def overlap(a, b):  # kept positions shared by two layers, over all KV heads
+        same = [len(set(x[x >= 0].tolist()) & set(y[y >= 0].tolist())) / (x >= 0).sum().item()
+                for x, y in zip(a.pos[0], b.pos[0])]
+        return sum(same) / len(same)
+    layers = guided.cache.layers
+    assert overlap(layers[0], layers[2]) > 0.9 and overlap(layers[1], layers[2]) > 0.9  # ties (pooled) aside
+    assert overlap(plain.cache.layers[0], plain.cache.layers[2]) < overlap(layers[0], layers[2])
+
+
+def test_equal_compute_matches_fastkv_prefill(llama):
+    """equal_compute: at any pivot the skeleton is sized so that token-layers match FastKV's."""
+    ids = _ids(200, seed=7)
+    fast = _compress(llama, ids, methods.FastKV(kv_budget=0.2, tsp_rate=0.2))
+    for p in (0, 1):
+        sk = _compress(llama, ids, methods.StructKV(kv_budget=0.2, r_struct=0.2, pivot=p, equal_compute=True))
+        assert sk.stats["prefill_fraction"] == pytest.approx(fast.stats["prefill_fraction"], abs=3 / 200)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
@@ -181,12 +235,14 @@ def test_compress_once_ask_many(llama):
     assert via_state.token_ids == plain.token_ids
 
 
-def test_compiled_decode_from_budgeted_cache(llama):
-    method = methods.StructKV(kv_budget=0.2)
+@pytest.mark.parametrize("name", ["structkv", "structkv_paper"])
+def test_compiled_decode_from_budgeted_cache(llama, name):
+    method = methods.get(name, kv_budget=0.2)
     eager = structkv.generate(llama, _ids(70), max_new_tokens=8, stop_at_eos=False, compile=False, method=method)
     comp = structkv.generate(llama, _ids(70), max_new_tokens=8, stop_at_eos=False, compile=True, method=method)
     assert comp.token_ids == eager.token_ids
-    assert eager.stats["prefill_fraction"] < 1.0 and "t_curve" in eager.stats
+    assert eager.stats["prefill_fraction"] < 1.0
+    assert ("t_curve" in eager.stats) == (name == "structkv_paper")  # the paper's detects its pivot
 
 
 # ---------------------------------------------------------------------------- invariants
@@ -251,6 +307,18 @@ def test_centrality_equals_closed_form_through_subsetting():
     assert torch.allclose(tr.value, expected) and torch.allclose(tr.current(cols), expected[:, [1, 3, 5]])
 
 
+def test_centrality_decays_by_layer_distance():
+    """The paper's C = sum_l decay^(L*-l) S^(l) on a hybrid's scored layers 5 and 11: decay^6 S5 + S11."""
+    tr = CentralityTracker(decay=0.9)
+    tr.reset(1, 4)
+    s5, s11 = torch.tensor([[1.0, 2, 3, 4]]), torch.tensor([[4.0, 3, 2, 1]])
+    tr.update(s5, torch.arange(4)[None], layer=5)
+    tr.update(s11, torch.arange(4)[None], layer=11)
+    assert torch.allclose(tr.value, 0.9 ** 6 * s5 + s11)
+    with pytest.raises(ValueError, match="increasing order"):
+        tr.update(s5, torch.arange(4)[None], layer=11)
+
+
 def test_skeleton_pruner_positions():
     scores = torch.tensor([[5.0, 0, 4, 1, 0, 0]])
     valid = torch.ones(1, 6, dtype=torch.bool)
@@ -265,21 +333,57 @@ def test_skeleton_pruner_positions():
     assert p3.tolist() == [[0, 1, 2, 3]]
 
 
-def test_pivot_fires_after_first_peak_and_is_forced_at_range_end():
-    det = PivotDetector(num_layers=10, scored_layers=list(range(10)), depth_range=(0.3, 0.6))
-    assert det.candidates == [3, 4, 5, 6]
-    det.reset(2)
-    # row 0: entropy falls fastest into layer 4 -> T peaks at 4, fires at 5; row 1: flat -> forced at 6
-    H0 = [1.0, 0.95, 0.9, 0.85, 0.5, 0.45, 0.44, 0.43, 0.4, 0.4]
-    fired_at = [None, None]
-    for layer in range(10):
-        stats = torch.tensor([[H0[layer], 0.1, 0.01], [0.9, 0.1, 0.01]])
+def _fire(det, H, rows=1):
+    fired_at = [None] * rows
+    for layer, h in enumerate(H):
+        stats = torch.tensor([[h, 0.1, 0.01]] * rows)
         for b, f in enumerate(det.observe(layer, stats)):
             if f:
                 fired_at[b] = layer
-    assert fired_at == [5, 6]
-    assert max(det.traces[0].t_curve, key=det.traces[0].t_curve.get) == 4
-    assert calibrate_pivot(det.traces[:1], det.candidates) == 5
+    return fired_at
+
+
+def test_pivot_fires_after_a_confirmed_peak_and_is_forced_at_range_end():
+    """Entropy falls a little into layer 3, then sharply into 5: the first dip (after 3) is not
+    the transition. confirm=1 (the paper's argmax + 1) fires at 4; confirm=2 waits for the peak
+    to hold two layers and fires at 7, after the real peak at 5. Flat rows fire at the range end."""
+    H = [1.0, 0.98, 0.96, 0.9, 0.89, 0.5, 0.48, 0.47, 0.46, 0.45]
+    det = PivotDetector(num_layers=10, scored_layers=list(range(10)), depth_range=(0.3, 0.8), confirm=1)
+    assert det.candidates == [3, 4, 5, 6, 7, 8]
+    det.reset(1)
+    assert _fire(det, H) == [4]
+    det = PivotDetector(num_layers=10, scored_layers=list(range(10)), depth_range=(0.3, 0.8), confirm=2)
+    det.reset(2)
+    fired = [None, None]
+    for layer, h in enumerate(H):
+        for b, f in enumerate(det.observe(layer, torch.tensor([[h, 0.1, 0.01], [0.9, 0.1, 0.01]]))):
+            fired[b] = layer if f else fired[b]
+    assert fired == [7, 8]
+    curve = det.traces[0].t_curve
+    assert max(curve, key=curve.get) == 5 and min(curve) == 3  # the curve starts one layer before the range
+    assert calibrate_pivot(det.traces[:1], det.candidates) == 6
+    assert calibrate_pivot(det.traces[:1], det.candidates, confirm=2) == 7
+
+
+def test_pivot_statistics_leave_out_sink_and_window():
+    """Only ranked columns count: attention on the first tokens (the sink) or on the window does
+    not move H, rho or V; the changes are normalised by each statistic's spread."""
+    from structkv.modules.pivot import ranked_mask, transition_curve
+
+    g = torch.Generator().manual_seed(0)
+    sal = torch.rand(1, 2, 40, generator=g)
+    pos = torch.arange(40)[None]
+    ranked = ranked_mask(pos, 8, 4)
+    assert ranked[0, :4].sum() == 0 and ranked[0, -8:].sum() == 0 and ranked[0, 4:32].all()
+    moved = sal.clone()
+    moved[..., :4] *= 50
+    moved[..., -8:] *= 50
+    a, b = (PivotDetector.statistics(x, ranked, 0.1) for x in (sal, moved))
+    assert torch.allclose(a, b)
+    uniform = PivotDetector.statistics(torch.ones(1, 2, 40), ranked, 0.1)[0]
+    assert uniform[0] == pytest.approx(1.0) and uniform[2] == pytest.approx(0.0, abs=1e-9)
+    curve = transition_curve({0: (1.0, 0.1, 0.0), 1: (0.5, 0.1, 0.0), 2: (0.25, 0.1, 0.0)}, (1.0, 0.0, 0.0))
+    assert curve == pytest.approx({1: 2 / 3, 2: 1 / 3}, rel=1e-6)  # -dH over H's spread 0.75
 
 
 def test_candidate_layers_on_hybrid_models():
@@ -300,6 +404,11 @@ def test_bad_budgets_and_names(llama):
         methods.get("fastkv", budget=0.1)
     with pytest.raises(ValueError, match="pivot must be 'dynamic'"):
         methods.StructKV(pivot="auto")
+    with pytest.raises(ValueError, match="calibrate"):
+        methods.StructKV(pivot="calibrated")
+    for bad in ({"beta": -1.0}, {"skeleton": "best"}, {"guide": "c"}, {"confirm": 0}, {"topk_ratio": 0.0}):
+        with pytest.raises(ValueError, match=f"structkv: {next(iter(bad))}"):
+            methods.StructKV(**bad)
 
 
 
@@ -407,3 +516,16 @@ def test_h2o_received_attention_equals_the_definition(block):
     mine = received_attention(q, k, pos, 0.35, block=block)
     ref = window_scores_naive(q, k, pos, pos, 0.35)[0] * n  # mean over the n queries -> sum
     torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_calibrate_fixes_the_pivot_from_prompts(llama):
+    """calibrate: the detector sees every scored layer of each prompt (statistics over the whole
+    depth, T over the candidate range) and the method comes back with a fixed candidate pivot."""
+    method = methods.get("structkv_paper", kv_budget=0.2, depth_range=(0.3, 0.7))
+    fixed, traces = methods.calibrate(llama, [_ids(80, 1), _ids(60, 2)], method)
+    assert len(traces) == 2 and all(sorted(t.stats) == [0, 1, 2] for t in traces)
+    assert fixed.pivot in (1, 2) and fixed.name == "structkv_paper" and fixed.kv_budget == 0.2
+    state = _compress(llama, _ids(80, 1), fixed)
+    assert state.stats["pivot_layer"] == fixed.pivot
+    with pytest.raises(TypeError, match="StructKV"):
+        methods.calibrate(llama, [_ids(10)], methods.SnapKV())

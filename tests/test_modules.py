@@ -35,16 +35,17 @@ def test_tracker_observe_owns_structkvs_convention():
 
 
 def test_detector_computes_its_own_statistics_from_window_scores():
+    from structkv.modules.pivot import ranked_mask
+
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(1, 4, 30, 8, generator=g), torch.randn(1, 2, 30, 8, generator=g)
     pos = torch.arange(30)[None]
-    sal, ent = window_scores(q[:, :, -6:], k, pos[:, -6:].contiguous(), pos, scale=0.35)
+    sal, _ = window_scores(q[:, :, -6:], k, pos[:, -6:].contiguous(), pos, scale=0.35)
     a, b = PivotDetector(8, list(range(8))), PivotDetector(8, list(range(8)))
     a.reset(1)
     b.reset(1)
-    a.observe_scores(3, sal, ent, pos)
-    n_vis = torch.arange(25, 31)[None]  # window query t sees keys 0..t
-    b.observe(3, PivotDetector.statistics(sal, ent, n_vis, pos >= 0, b.topk_ratio))
+    a.observe_scores(3, sal, pos, window=6)
+    b.observe(3, PivotDetector.statistics(sal, ranked_mask(pos, 6, b.sinks), b.topk_ratio))
     assert a.traces[0].stats == b.traces[0].stats
 
 

@@ -30,6 +30,8 @@ def _groups():
          methods.get("snapkv", kv_budget=0.4)],
         [methods.get("structkv", kv_budget=0.2), methods.get("structkv", kv_budget=0.4)],
         [methods.get("structkv", kv_budget=0.2, pivot=1), methods.get("structkv", kv_budget=0.5, pivot=1)],
+        [methods.get("structkv", kv_budget=0.2, beta=3.0, skeleton="union", equal_compute=True),
+         methods.get("structkv", kv_budget=0.4, beta=1.0, skeleton="union", equal_compute=True)],
         [methods.get("fastkv", kv_budget=0.2, tsp_layer=1), methods.get("fastkv", kv_budget=0.4, tsp_layer=1)],
         [methods.get("gemfilter", kv_budget=0.2)],
     ]

@@ -34,7 +34,9 @@ class BenchConfig:
     lengths: list[int] = field(default_factory=lambda: [4096])
     kv_budget: float = 0.1
     struct_budget: float = 0.2
-    pivot: str | float = "dynamic"  # StructKV's pivot: "dynamic" or a depth fraction (random weights have no structure)
+    # StructKV's pivot for every structkv* method: None (each method's own), "dynamic" or a depth
+    # fraction (random weights have no attention structure to detect)
+    pivot: str | float | None = None
     new_tokens: int = 32
     repeats: int = 3
     warmup: int = 1
@@ -113,7 +115,9 @@ class PeakMemory:
 
 
 def make_method(cfg: BenchConfig, name: str):
-    pivot = {"pivot": float(cfg.pivot)} if cfg.pivot != "dynamic" and name in ("structkv", "structkv_no_decay") else {}
+    pivot = {}
+    if cfg.pivot is not None and name.startswith("structkv"):
+        pivot = {"pivot": "dynamic" if cfg.pivot == "dynamic" else float(cfg.pivot)}
     budgets = methods_registry.budget_options(name, cfg.kv_budget, cfg.struct_budget)
     return methods_registry.get(name, **budgets, **pivot)
 

@@ -10,4 +10,12 @@ from .registry import METHODS, budget_options, get, names, register, struct_budg
 from .variants import H2O, FastKV, Full, GemFilter, PyramidKV, SnapKV, StreamingLLM, StructKV
 
 __all__ = ["Layout", "METHODS", "FastKV", "Full", "GemFilter", "H2O", "Method", "PyramidKV", "SnapKV", "StreamingLLM",
-           "StructKV", "budget_options", "get", "names", "register", "struct_budget_option"]
+           "StructKV", "budget_options", "calibrate", "get", "names", "register", "struct_budget_option"]
+
+
+def calibrate(model, prompts, method=None):
+    """StructKV with its pivot fixed from `prompts` (`structkv.methods.calibration`); imported on
+    use, as it runs the prefill loop, which itself needs this package."""
+    from .calibration import calibrate as run
+
+    return run(model, prompts, method)

@@ -127,6 +127,13 @@ class Method:
         KV head) or 1 (one selection for all heads)."""
         raise NotImplementedError(f"{self.name} plans KV selection but defines no kv_scores")
 
+    def retention(self, plan: dict, cache):
+        """How the planned layers' entries are chosen and stored (`structkv.modules.Retention`:
+        at once, by `kv_scores`; StructKV may guide it by its pivot)."""
+        from ..modules.retention import Retention
+
+        return Retention(self, plan, cache)
+
     def propagation(self, layout, lengths):
         """A `structkv.modules.Propagation` for this prompt, or None (every token reaches the end)."""
         return None

@@ -42,8 +42,15 @@ register("h2o", H2O)
 register("gemfilter", GemFilter)
 register("fastkv", FastKV)
 register("structkv", StructKV)
-register("structkv_fixed_pivot", StructKV, pivot=15 / 32)
-register("structkv_no_decay", StructKV, decay=1.0)
+# The paper's algorithm as written, with the faithful reading where it is silent (the detector's
+# statistics over ranked columns, normalised changes, L* = argmax T + 1; lambda by layer distance).
+register("structkv_paper", StructKV, pivot="dynamic", confirm=1, decay=0.9, skeleton="centrality",
+         equal_compute=False, beta=0.0)
+# Ablations of the default (docs/methods.md, "StructKV here"): each undoes one choice.
+register("structkv_dynamic_pivot", StructKV, pivot="dynamic", equal_compute=True)
+register("structkv_centrality", StructKV, skeleton="centrality")
+register("structkv_no_guide", StructKV, beta=0.0)
+register("structkv_no_decay", StructKV, skeleton="centrality", decay=1.0)
 register("structkv_coupled", StructKV, couple_struct_to_kv=True)  # R_struct = R_KV
 
 

@@ -150,31 +150,73 @@ class FastKV(WindowScored):
 class StructKV(WindowScored):
     """Global centrality over depth, dynamic pivot, skeleton propagation, decoupled KV budgets.
 
-    pivot: "dynamic" (online first peak of T inside depth_range), or a fixed layer (int) or depth
-    fraction (float). decay: lambda of C <- lambda * C + S.
+    pivot: "dynamic" (detected per row inside depth_range: `PivotDetector`), or a fixed layer
+    (int) or depth fraction (float); `structkv.methods.calibrate` fixes it from a few prompts.
+    decay: lambda of C <- lambda^(layer distance) * C + S. topk_ratio, confirm, sinks: the
+    detector's top-k mass, confirmation layers and left-out first tokens.
+    skeleton: the tokens kept at the pivot, top by "centrality" (the paper), "pivot" (the pivot
+    layer's saliency) or "union" (half each). equal_compute: choose the skeleton size at the
+    detected pivot so that the prefill costs what FastKV's does (its layer 15/32, rate r_struct).
+    guide, beta: cross-layer KV retention (`GuidedRetention`): every planned layer keeps the top
+    of norm(S^(l)) + beta * norm(G), G the pivot layer's saliency ("pivot") or C ("centrality");
+    beta 0 = each layer by its own scores (the paper).
     """
 
+    # Defaults: the configuration chosen on the development split (docs/methods.md, "StructKV
+    # here"); the paper's algorithm is `structkv_paper` (pivot "dynamic", confirm 1, skeleton
+    # "centrality", beta 0).
     r_struct: float | int = 0.2
     decay: float = 0.9
-    pivot: str | float | int = "dynamic"
+    pivot: str | float | int = 15 / 32
     depth_range: tuple[float, float] = (0.3, 0.6)
     weights: tuple[float, float, float] = (0.2, 0.3, 0.5)
+    topk_ratio: float = 0.01
+    confirm: int = 2
+    sinks: int = 4
+    skeleton: str = "pivot"
+    equal_compute: bool = False
+    guide: str = "pivot"
+    beta: float = 3.0
     name = "structkv"
     struct_budget_option: ClassVar[str] = "r_struct"
 
     def propagation(self, layout, lengths):
         """StructKV's compressor: centrality over the scored layers, the pivot (detected per row or
-        fixed), the skeleton of `r_struct` tokens; the detector's top-k mass uses k = R_struct."""
+        fixed), the skeleton of `r_struct` tokens (or FastKV's compute, `equal_compute`)."""
         scored = layout.full_attention_layers
         keep = self.fit_window(budget_tokens(self.r_struct, lengths, "structkv r_struct"), lengths)
         pivot = None if self.pivot == "dynamic" else resolve_layer(self.pivot, layout, scored, "pivot")
-        ratio = self.r_struct if isinstance(self.r_struct, float) else self.r_struct / max(lengths.tolist())
+        keep_at = self._equal_compute(layout, lengths) if self.equal_compute else None
         return StructKVCompressor(layout.num_layers, scored, keep, window=self.window, kernel=self.kernel,
                                   pooling=self.pooling, decay=self.decay, pivot=pivot, depth_range=self.depth_range,
-                                  weights=self.weights, topk_ratio=ratio)
+                                  weights=self.weights, topk_ratio=self.topk_ratio, confirm=self.confirm,
+                                  sinks=self.sinks, skeleton=self.skeleton, guide=self.guide, keep_at=keep_at)
+
+    def _equal_compute(self, layout, lengths):
+        """layer -> tokens kept per row so that token-layers computed equal FastKV's at its
+        default layer with rate r_struct: (p + 1) n + K (L - p - 1) = (f + 1) n + r n (L - f - 1)."""
+        L = layout.num_layers
+        f = resolve_layer(FastKV.tsp_layer, layout, layout.full_attention_layers, "tsp_layer")
+        base = self.fit_window(budget_tokens(self.r_struct, lengths, "structkv r_struct"), lengths)
+
+        def keep_at(p: int) -> list[int]:
+            if p >= L - 1:
+                return base
+            out = []
+            for n, k in zip(lengths.tolist(), base):
+                budget = (f + 1) * n + k * (L - f - 1) - (p + 1) * n  # token-layers left after the pivot
+                out.append(int(min(n, max(min(self.window, n), budget // (L - p - 1)))))
+            return out
+        return keep_at
+
+    def retention(self, plan, cache):
+        from ..modules.retention import GuidedRetention, Retention
+
+        return GuidedRetention(self, plan, cache, self.beta) if self.beta else Retention(self, plan, cache)
 
     def prefill_key(self):
         return ("structkv", self.r_struct, self.decay, self.pivot, tuple(self.depth_range), tuple(self.weights),
+                self.topk_ratio, self.confirm, self.sinks, self.skeleton, self.equal_compute, self.guide,
                 self.window, self.kernel, self.pooling)
 
     def validate(self):
@@ -182,8 +224,23 @@ class StructKV(WindowScored):
         if not 0.0 <= self.decay <= 1.0:
             raise ValueError(f"structkv: decay must be in [0, 1], got {self.decay}")
         if isinstance(self.pivot, str) and self.pivot != "dynamic":
+            hint = (" (a calibrated pivot is a layer: structkv.methods.calibrate(model, prompts, method) returns "
+                    "the method with it)") if self.pivot == "calibrated" else ""
             raise ValueError(f"structkv: pivot must be 'dynamic', a layer index or a depth fraction, "
-                             f"got {self.pivot!r}")
+                             f"got {self.pivot!r}{hint}")
+        if self.skeleton not in ("centrality", "pivot", "union"):
+            raise ValueError(f"structkv: skeleton must be 'centrality', 'pivot' or 'union', got {self.skeleton!r}")
+        if self.guide not in ("pivot", "centrality"):
+            raise ValueError(f"structkv: guide must be 'pivot' or 'centrality', got {self.guide!r}")
+        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not 0 <= self.beta < math.inf:
+            raise ValueError(f"structkv: beta must be a finite number >= 0 (0 = no guided retention), "
+                             f"got {self.beta!r}")
+        if isinstance(self.confirm, bool) or not isinstance(self.confirm, int) or self.confirm < 1:
+            raise ValueError(f"structkv: confirm must be an int >= 1, got {self.confirm!r}")
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ValueError(f"structkv: sinks must be an int >= 0, got {self.sinks!r}")
+        if not isinstance(self.topk_ratio, float) or not 0 < self.topk_ratio <= 1:
+            raise ValueError(f"structkv: topk_ratio must be a fraction in (0, 1], got {self.topk_ratio!r}")
         w = self.weights
         if (not isinstance(w, (tuple, list)) or len(w) != 3
                 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0

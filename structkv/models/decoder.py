@@ -297,10 +297,11 @@ class Decoder(nn.Module):
             h = block.finish(h, block.self_attn.attend(q, layer.k, layer.v, mask))
         return self.logits(h[:, -1])
 
-    def extend(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    def extend(self, tokens: torch.Tensor, positions: torch.Tensor, cache, every: bool = False) -> torch.Tensor:
         """Several new tokens per row on top of a cache (e.g. a question after a compressed
         context): they attend to the cache and causally to each other, then are appended.
-        tokens, positions (B, S) -> last-token logits (B, V)."""
+        tokens, positions (B, S) -> last-token logits (B, V), or every token's (B, S, V) with
+        `every` (teacher forcing, as the fidelity metric does)."""
         h, rope = self.embed(tokens), self.rope_tables(positions)
         for i in range(self.config.num_layers):
             layer = cache.layers[i]
@@ -308,4 +309,4 @@ class Decoder(nn.Module):
                                  torch.cat([layer.pos, positions[:, None].expand(-1, k.shape[1], -1)], 2))
             h, k, v = self.layer_forward(i, h, positions, rope, keys=keys)
             layer.write(k, v, positions)
-        return self.logits(h[:, -1])
+        return self.logits(h) if every else self.logits(h[:, -1])

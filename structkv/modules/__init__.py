@@ -5,12 +5,15 @@ from .centrality import CentralityTracker
 from .compressor import StructKVCompressor
 from .pivot import PivotDetector, PivotTrace, calibrate_pivot, candidate_layers
 from .propagation import FixedLayerPropagation, Propagation, RestartPropagation
+from .retention import GuidedRetention, Retention
 from .scores import last_query_logits, received_attention
 from .selection import budget_tokens, gather_tokens, pool_scores, pooled_saliency, select_tokens
 from .skeleton import SkeletonPruner
 from .view import LayerView
 
-__all__ = ["BudgetedKVCache", "CentralityTracker", "FixedLayerPropagation", "LayerView", "PivotDetector", "PivotTrace",
-           "Propagation", "RestartPropagation", "SkeletonPruner", "StructKVCompressor", "budget_tokens",
-           "calibrate_pivot", "candidate_layers", "gather_tokens", "last_query_logits", "pads_last", "pool_scores",
-           "pooled_saliency", "received_attention", "select_tokens"]
+__all__ = [
+    "BudgetedKVCache", "CentralityTracker", "FixedLayerPropagation", "GuidedRetention", "LayerView", "PivotDetector",
+    "PivotTrace", "Propagation", "RestartPropagation", "Retention", "SkeletonPruner", "StructKVCompressor",
+    "budget_tokens", "calibrate_pivot", "candidate_layers", "gather_tokens", "last_query_logits", "pads_last",
+    "pool_scores", "pooled_saliency", "received_attention", "select_tokens"
+]

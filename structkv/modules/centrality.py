@@ -1,6 +1,9 @@
 """CentralityTracker: StructKV's global in-degree centrality, accumulated over depth.
 
-C_j = sum_l decay^(L*-l) S_j^(l), kept online as C <- decay * C + S^(l) after each scored layer.
+C_j = sum_l decay^(L*-l) S_j^(l), kept online as C <- decay^(l - l_prev) * C + S^(l) after each
+scored layer l (l_prev: the previous scored layer). The exponent is the layer distance, so on a
+hybrid model whose scored layers are 5 and 11 C = decay^6 S^(5) + S^(11), the paper's formula,
+not decay * S^(5) + S^(11); on a dense model every distance is 1.
 Scores arrive on the *current* tokens with their original column index, so C lives on the
 original prompt columns and survives token subsetting (FastKV/StructKV propagation).
 
@@ -41,10 +44,14 @@ class CentralityTracker(nn.Module):
         return self.update(pooled.sum(1) / self.window, columns, layer)
 
     def update(self, scores: torch.Tensor, columns: torch.Tensor, layer: int | None = None) -> torch.Tensor:
-        """C <- decay * C + S. scores (B, n) for the tokens at original `columns` (B, n)."""
+        """C <- decay^(layer - previous layer) * C + S (one step of decay without layer numbers).
+        scores (B, n) for the tokens at original `columns` (B, n)."""
         if self.value is None:
             raise RuntimeError("call reset(batch, num_tokens) before update()")
-        self.value.mul_(self.decay)
+        if layer is not None and self.layers and layer <= self.layers[-1]:
+            raise ValueError(f"layers must be observed in increasing order: {layer} after {self.layers[-1]}")
+        distance = layer - self.layers[-1] if layer is not None and self.layers else 1
+        self.value.mul_(self.decay ** distance)
         self.value.scatter_add_(1, columns, scores.float())
         if layer is not None:
             self.layers.append(layer)

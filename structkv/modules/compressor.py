@@ -17,32 +17,48 @@ import torch
 from .centrality import CentralityTracker
 from .pivot import PivotDetector
 from .propagation import Propagation
+from .selection import pooled_saliency
 
 
 class StructKVCompressor(Propagation):
     """Args:
         num_layers: model depth L; scored_layers: layers whose window attention is observed (all
             layers of a dense model, the full-attention layers of a hybrid).
-        keep: tokens kept per row at its pivot (window included).
+        keep: tokens kept per row at its pivot (window included); `keep_at(layer)`, when given,
+            decides it at the pivot instead (equal prefill compute with another method).
         window, kernel, pooling: the observation window and the saliency pooling.
         decay: lambda of the centrality. pivot: a fixed layer, or None to detect it per row.
-        depth_range, weights, topk_ratio: the detector's candidate range, T weights and top-k mass k.
+        depth_range, weights, topk_ratio, confirm, sinks: the detector's (`PivotDetector`).
+        skeleton: "centrality" (the paper: top by C), "pivot" (top by the pivot layer's saliency
+            alone) or "union" (half by the pivot layer's saliency, the rest by C).
+        guide: what `guide()` offers the KV retention once every row fired: "pivot" (the pivot
+            layer's pooled saliency per KV head) or "centrality" (C).
     """
 
     def __init__(self, num_layers: int, scored_layers: list[int], keep: list[int], *, window: int = 8,
                  kernel: int = 7, pooling: str | None = "max", decay: float = 0.9, pivot: int | None = None,
-                 depth_range=(0.3, 0.6), weights=(0.2, 0.3, 0.5), topk_ratio: float = 0.2):
+                 depth_range=(0.3, 0.6), weights=(0.2, 0.3, 0.5), topk_ratio: float = 0.01, confirm: int = 2,
+                 sinks: int = 4, skeleton: str = "centrality", guide: str = "pivot", keep_at=None):
         super().__init__(len(keep), window)
+        if skeleton not in ("centrality", "pivot", "union"):
+            raise ValueError(f"skeleton must be 'centrality', 'pivot' or 'union', got {skeleton!r}")
+        if guide not in ("pivot", "centrality"):
+            raise ValueError(f"guide must be 'pivot' or 'centrality', got {guide!r}")
         self.scored, self.keep, self.window, self.fixed_pivot = list(scored_layers), list(keep), window, pivot
+        self.kernel, self.pooling, self.skeleton, self.guide_kind = kernel, pooling, skeleton, guide
+        self.keep_at = keep_at
         self.tracker = CentralityTracker(decay, window, kernel, pooling)
         self.detector = None
         if pivot is None:
-            self.detector = PivotDetector(num_layers, self.scored, depth_range, weights, topk_ratio=topk_ratio)
+            self.detector = PivotDetector(num_layers, self.scored, depth_range, weights, topk_ratio=topk_ratio,
+                                          confirm=confirm, sinks=sinks)
             self.detector.reset(len(keep))
+        self._guide = None
 
     def begin(self, num_tokens: int, device=None) -> "StructKVCompressor":
         """Start a prompt of `num_tokens` columns (padding included)."""
         self.tracker.reset(len(self.keep), num_tokens, device=device)
+        self._guide = None
         return self
 
     @property
@@ -57,20 +73,55 @@ class StructKVCompressor(Propagation):
         layer = view.layer
         if self.window_needed(layer) is None:
             return None
-        saliency, entropy = view.window_scores(self.window)
+        saliency, _ = view.window_scores(self.window)
         self.tracker.observe(saliency, view.columns, layer=layer)
         if self.detector is not None:
             with view.timer.phase("scoring") as span:
-                fired = self.detector.observe_scores(layer, saliency, entropy, view.positions)
+                fired = self.detector.observe_scores(layer, saliency, view.positions, self.window)
             self.scoring_s += span.seconds
         else:
             fired = [layer == self.fixed_pivot] * len(self.keep)
         if not any(fired):
             return None
         n = view.k.shape[2]
-        rows = [k if f else n for k, f in zip(self.keep, fired)]  # rows not firing keep everything
+        keep = self.keep_at(layer) if self.keep_at is not None else self.keep
+        rows = [k if f else n for k, f in zip(keep, fired)]  # rows not firing keep everything
         self.pivots = [layer if f else p for f, p in zip(fired, self.pivots)]
-        return self.pruner.select(self.tracker.current(view.columns), view.valid, rows)
+        own = pooled_saliency(saliency, self.window, self.kernel, self.pooling)  # (B, Hkv, n)
+        self._remember(own, view.columns, fired)
+        return self.pruner.select(self._skeleton_scores(own.sum(1), view.columns, view.valid, rows), view.valid,
+                                  rows)
+
+    def _skeleton_scores(self, own: torch.Tensor, columns: torch.Tensor, valid: torch.Tensor, rows) -> torch.Tensor:
+        """(B, n) scores whose top `rows` tokens form the skeleton."""
+        centrality = self.tracker.current(columns)
+        if self.skeleton == "centrality":
+            return centrality
+        if self.skeleton == "pivot":
+            return own
+        half = self.pruner.select(own, valid, [max(r // 2, min(self.window, r)) for r in rows])  # (B, K/2)
+        first = torch.zeros(valid.shape, dtype=torch.long, device=valid.device)
+        first = first.scatter_add_(1, half.clamp_min(0), (half >= 0).long()) > 0  # (B, n)
+        top = centrality.max(dim=1, keepdim=True).values + 1  # above every centrality: kept first
+        return torch.where(first, top, centrality)
+
+    def _remember(self, own: torch.Tensor, columns: torch.Tensor, fired: list[bool]) -> None:
+        """The guide of each row that fired, on prompt columns."""
+        B, H, _ = own.shape
+        N = self.tracker.value.shape[1]
+        if self._guide is None:
+            self._guide = torch.zeros(B, H if self.guide_kind == "pivot" else 1, N, device=own.device)
+        for b, f in enumerate(fired):
+            if not f:
+                continue
+            if self.guide_kind == "pivot":
+                self._guide[b].scatter_(1, columns[b][None].expand(H, -1), own[b].float())
+            else:
+                self._guide[b, 0] = self.tracker.value[b]
+
+    def guide(self) -> torch.Tensor | None:
+        """(B, Hg, N) on prompt columns once every row's pivot fired (`GuidedRetention`), else None."""
+        return None if self.open else self._guide
 
     @property
     def host_syncs(self) -> int:

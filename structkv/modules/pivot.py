@@ -1,16 +1,26 @@
 """PivotDetector: find, per input, the layer where window attention turns from broad to focused.
 
-Per scored layer l, three statistics of the window attention (docs/algorithm.md, section 3):
-- H_l: entropy of each window query's attention, normalised by log(visible keys), averaged over
-  heads and queries (from `window_scores`' entropy output, no probabilities materialised);
-- rho_l: top-k mass of the normalised saliency p = S / sum(S), k = ceil(topk_ratio * length);
-- V_l: variance over tokens of p (scale-free).
-Their relative layer-to-layer changes dX_l = (X_l - X_prev) / (|X_prev| + eps) are combined into
-    T_l = w1 * d(-H)_l + w2 * d(rho)_l + w3 * d(V)_l,   (w1, w2, w3) = (0.2, 0.3, 0.5).
-Online rule: inside the candidate layers (default depth 0.3L..0.6L), the pivot fires at the
-first layer whose T drops below a T that was the maximum so far (L* = argmax T + 1), or at the
-last candidate. rho and V use the window-averaged saliency instead of per-row probabilities:
-that avoids materialising (Hq, w, N) attention (documented deviation from G3's per-row average).
+Per scored layer l, three statistics of the window-averaged attention p over the *ranked*
+columns only (the tokens a skeleton can keep or drop: not the first `sinks` tokens, which take
+the attention sink's mass, and not the observation window, which is always kept); p sums to 1
+over them (docs/algorithm.md, section 3):
+- H_l: entropy of p normalised by log(ranked columns) (1 = uniform);
+- rho_l: top-k mass of p, k = ceil(topk_ratio * ranked columns); a small k (1 %) stays below
+  saturation, where k = R_struct * N measured ~0.9-1.0 at every layer and told nothing;
+- V_l: n * var(p) (0 for uniform attention, scale-free in n).
+Each statistic's layer-to-layer change is divided by that statistic's spread (max - min) over
+the layers observed so far (from the one before the first candidate), so the weights
+(w1, w2, w3) = (0.2, 0.3, 0.5) weigh comparable numbers:
+    T_l = w1 * (-dH_l) / spread(H) + w2 * d(rho)_l / spread(rho) + w3 * dV_l / spread(V).
+Rule (a confirmed peak, not the first dip): after each candidate layer (default depth
+0.3L..0.6L) the curve is recomputed with the current spreads; the pivot fires at layer l once
+the highest T among the candidates, if positive (attention got more focused), is at a layer
+m <= l - confirm (the peak held for `confirm` more layers), or at the last candidate. The
+paper's L* = argmax T + 1 is `confirm=1`.
+
+At commit ac2fbc5 the statistics included the sink and window columns (90 % of T followed the
+sink's variance) with a saturated top-k and raw relative changes, and the first dip fired (layer
+11 on SmolLM2 before its transition at 12-13): `structkv_paper` now uses this reading.
 """
 from __future__ import annotations
 
@@ -25,7 +35,7 @@ class PivotTrace:
     """What the detector saw for one batch row."""
 
     stats: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # layer -> (H, rho, V)
-    t_curve: dict[int, float] = field(default_factory=dict)  # layer -> T
+    t_curve: dict[int, float] = field(default_factory=dict)  # layer -> T (last recomputation)
     pivot: int | None = None
 
 
@@ -41,6 +51,30 @@ def candidate_layers(num_layers: int, scored: list[int], depth_range=(0.3, 0.6))
     return [min(pool, key=lambda l: (abs(l - centre), -l))]
 
 
+def ranked_mask(positions: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+    """(B, n) bool: real tokens that are neither among a row's first `sinks` nor in the window."""
+    valid = positions >= 0
+    rank = valid.long().cumsum(1) - 1  # index among real tokens
+    n = positions.shape[1]
+    col = torch.arange(n, device=positions.device)
+    return valid & (rank >= sinks) & (col < n - window)[None]
+
+
+def transition_curve(stats: dict[int, tuple], weights, eps: float = 1e-9) -> dict[int, float]:
+    """T at every observed layer after the first, each statistic's change over its spread."""
+    layers = sorted(stats)
+    if len(layers) < 2:
+        return {}
+    cols = list(zip(*(stats[l] for l in layers)))  # (H...), (rho...), (V...)
+    spreads = [max(c) - min(c) + eps for c in cols]
+    signs = (-1.0, 1.0, 1.0)  # focus = lower entropy, more top-k mass, more variance
+    out = {}
+    for a, b in zip(layers, layers[1:]):
+        out[b] = sum(w * s * (stats[b][i] - stats[a][i]) / spreads[i]
+                     for i, (w, s) in enumerate(zip(weights, signs)))
+    return out
+
+
 class PivotDetector:
     """Online pivot detection per batch row (host-side decisions; each `observe` is one sync).
     A plain object: its state is the per-row traces on the host, no tensors.
@@ -49,16 +83,27 @@ class PivotDetector:
         num_layers: model depth L. scored_layers: layers whose window attention is observed
             (all layers for dense models, the full-attention layers for hybrids).
         depth_range: candidate range as fractions of L. weights: (w1, w2, w3) for (-H, rho, V).
-        topk_ratio: k of the top-k mass as a fraction of the row length (R_struct by default).
+        topk_ratio: k of the top-k mass as a fraction of the ranked columns.
+        confirm: layers the highest T must hold before the pivot fires (1 = the paper's argmax + 1).
+        sinks: first tokens left out of the statistics (they hold the attention sink).
+        observe_all: never fire; record the statistics over every scored layer (calibration).
     """
 
     def __init__(self, num_layers: int, scored_layers: list[int], depth_range=(0.3, 0.6),
-                 weights=(0.2, 0.3, 0.5), topk_ratio: float = 0.2, eps: float = 1e-6):
+                 weights=(0.2, 0.3, 0.5), topk_ratio: float = 0.01, confirm: int = 2, sinks: int = 4,
+                 observe_all: bool = False):
         if not 0.0 <= depth_range[0] <= depth_range[1] <= 1.0:
             raise ValueError(f"depth_range must satisfy 0 <= lo <= hi <= 1, got {depth_range}")
+        if isinstance(confirm, bool) or not isinstance(confirm, int) or confirm < 1:
+            raise ValueError(f"confirm must be an int >= 1 (layers a peak must hold), got {confirm!r}")
+        if not 0.0 < topk_ratio <= 1.0:
+            raise ValueError(f"topk_ratio must be in (0, 1], got {topk_ratio}")
         self.num_layers, self.scored = num_layers, sorted(scored_layers)
         self.candidates = candidate_layers(num_layers, self.scored, depth_range)
-        self.weights, self.topk_ratio, self.eps = tuple(weights), topk_ratio, eps
+        before = [l for l in self.scored if l < self.candidates[0]]
+        self.first = before[-1] if before else self.candidates[0]  # the curve starts one scored layer earlier
+        self.weights, self.topk_ratio, self.confirm, self.sinks = tuple(weights), topk_ratio, confirm, sinks
+        self.observe_all = observe_all
         self.traces: list[PivotTrace] = []
         self.host_syncs = 0
 
@@ -66,34 +111,26 @@ class PivotDetector:
         self.traces = [PivotTrace() for _ in range(batch)]
         self.host_syncs = 0
 
+    def wants(self, layer: int) -> bool:
+        """Whether `layer`'s statistics are needed (the curve's range, or every layer when calibrating)."""
+        return self.observe_all or self.first <= layer <= self.candidates[-1]
+
     @staticmethod
-    def statistics(saliency: torch.Tensor, entropy: torch.Tensor, n_visible: torch.Tensor, valid: torch.Tensor,
-                   topk_ratio: float) -> torch.Tensor:
-        """(B, 3) = (H, rho, V) from saliency (B, Hkv, n), entropy (B, Hq, w), n_visible (B, w), valid (B, n)."""
-        logn = torch.log(n_visible.float().clamp_min(2))[:, None, :]  # (B, 1, w)
-        h_norm = (entropy / logn).mean(dim=(1, 2))  # (B,)
-        s = saliency.sum(1) * valid  # (B, n)
+    def statistics(saliency: torch.Tensor, ranked: torch.Tensor, topk_ratio: float) -> torch.Tensor:
+        """(B, 3) = (H, rho, V) of saliency (B, Hkv, n) over the `ranked` (B, n) columns."""
+        s = saliency.sum(1).double() * ranked  # (B, n)
         p = s / s.sum(-1, keepdim=True).clamp_min(1e-30)
-        lengths = valid.sum(-1)
-        k = max(1, math.ceil(topk_ratio * int(lengths.max())))
+        n = ranked.sum(-1).clamp_min(2).double()  # (B,)
+        h = -(p * p.clamp_min(1e-30).log()).sum(-1) / n.log()
+        k = max(1, math.ceil(topk_ratio * int(n.max())))
         rho = p.topk(min(k, p.shape[-1]), dim=-1).values.sum(-1)
-        mean = 1.0 / lengths.clamp_min(1)
-        var = (((p - mean[:, None]) ** 2) * valid).sum(-1) / lengths.clamp_min(1)
-        return torch.stack([h_norm, rho, var], dim=-1)
+        var = (((p - 1 / n[:, None]) ** 2) * ranked).sum(-1)  # n * mean squared deviation
+        return torch.stack([h, rho, var], dim=-1).float()
 
-    def observe_scores(self, layer: int, saliency: torch.Tensor, entropy: torch.Tensor,
-                       positions: torch.Tensor) -> list[bool]:
-        """`observe` from the window scores of the current tokens: saliency (B, Hkv, n), entropy
-        (B, Hq, w) of the last w queries, positions (B, n) (-1 = padding). Each window query's
-        entropy is normalised by the log of the keys it sees (visible: not padding, not later)."""
-        w, valid = entropy.shape[-1], positions >= 0
-        n_visible = (valid[:, None, :] & (positions[:, None, :] <= positions[:, -w:, None])).sum(-1)  # (B, w)
-        return self.observe(layer, self.statistics(saliency, entropy, n_visible, valid, self.topk_ratio))
-
-    def transition(self, prev: tuple, cur: tuple) -> float:
-        rel = lambda a, b: (b - a) / (abs(a) + self.eps)  # noqa: E731
-        w1, w2, w3 = self.weights
-        return w1 * rel(-prev[0], -cur[0]) + w2 * rel(prev[1], cur[1]) + w3 * rel(prev[2], cur[2])
+    def observe_scores(self, layer: int, saliency: torch.Tensor, positions: torch.Tensor, window: int) -> list[bool]:
+        """`observe` from the window saliency (B, Hkv, n) of the current tokens at positions (B, n)."""
+        ranked = ranked_mask(positions, window, self.sinks)
+        return self.observe(layer, self.statistics(saliency, ranked, self.topk_ratio))
 
     def observe(self, layer: int, stats: torch.Tensor) -> list[bool]:
         """Record layer `layer`'s stats (B, 3); returns, per row, whether its pivot fires here."""
@@ -101,26 +138,24 @@ class PivotDetector:
         self.host_syncs += 1
         fired = []
         for trace, cur in zip(self.traces, values):
-            prev_layers = [l for l in trace.stats if l < layer]
-            if prev_layers:
-                trace.t_curve[layer] = self.transition(trace.stats[max(prev_layers)], tuple(cur))
             trace.stats[layer] = tuple(cur)
+            trace.t_curve = transition_curve({l: s for l, s in trace.stats.items()  # the same range calibrating
+                                              if self.first <= l <= self.candidates[-1]}, self.weights)
             fire = False
-            if trace.pivot is None and layer in self.candidates:
-                ts = [trace.t_curve[l] for l in self.candidates if l in trace.t_curve and l < layer]
-                t_now = trace.t_curve.get(layer)
-                if ts and t_now is not None and t_now < ts[-1] and ts[-1] == max(ts):
-                    fire = True  # the previous candidate was the peak: L* = argmax + 1
-                if layer == self.candidates[-1]:
-                    fire = True  # forced at the end of the range
+            if trace.pivot is None and not self.observe_all and layer in self.candidates:
+                seen = {l: t for l, t in trace.t_curve.items() if l in self.candidates}
+                peak = max(seen, key=seen.get) if seen and max(seen.values()) > 0 else None  # a focusing step
+                later = [l for l in self.candidates if peak is not None and peak < l <= layer]
+                fire = len(later) >= self.confirm or layer == self.candidates[-1]
                 if fire:
                     trace.pivot = layer
             fired.append(fire)
         return fired
 
 
-def calibrate_pivot(traces: list[PivotTrace], candidates: list[int]) -> int:
-    """Offline mode: average T over prompts, take the argmax candidate, fire at the next one."""
+def calibrate_pivot(traces: list[PivotTrace], candidates: list[int], confirm: int = 1) -> int:
+    """Offline mode: average T over prompts, take the argmax candidate, fire `confirm` candidate
+    layers later (the paper's L* = argmax + 1 for confirm=1)."""
     means = {}
     for l in candidates:
         vals = [t.t_curve[l] for t in traces if l in t.t_curve]
@@ -130,4 +165,4 @@ def calibrate_pivot(traces: list[PivotTrace], candidates: list[int]) -> int:
         return candidates[-1]
     best = max(means, key=means.get)
     later = [l for l in candidates if l > best]
-    return later[0] if later else best
+    return later[min(confirm, len(later)) - 1] if later else best

@@ -44,6 +44,11 @@ class Propagation:
     def after_layer(self, view) -> torch.Tensor | None:
         return None
 
+    def guide(self) -> torch.Tensor | None:
+        """Scores (B, Hg, N) on prompt columns that may steer every layer's KV retention once
+        every row propagated (`GuidedRetention`); None: no guide."""
+        return None
+
     def stats(self) -> dict:
         """Extra entries for the prefill stats (e.g. StructKV's T curves)."""
         return {}

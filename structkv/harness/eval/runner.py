@@ -20,11 +20,11 @@ from ...files import write_text_atomic
 from .. import environment, mean, median
 from . import metrics
 
-BENCHMARKS = ("ruler", "longbench", "niah")
+BENCHMARKS = ("ruler", "longbench", "niah", "fidelity")
 # Settings that define what a result means: a folder cannot mix runs that differ in these.
 DEFAULT_SAMPLES = 10  # generated samples per task (RULER, niah) when not given
 IDENTITY = ("benchmark", "model", "seed", "struct_budget", "max_new_tokens", "window", "longbench_full", "chat",
-            "question_after")
+            "question_after", "continuation")
 
 
 @dataclass
@@ -54,6 +54,8 @@ class EvalConfig:
     # Query-agnostic (kvpress' setting): the context is compressed without the question, which is
     # appended uncompressed afterwards. False: the whole prompt is compressed (query-aware).
     question_after: bool = False
+    # fidelity: tokens of the full cache's greedy continuation teacher-forced through each method
+    continuation: int = 64
 
     def validate(self, model_config=None) -> None:
         if self.benchmark not in BENCHMARKS:
@@ -71,6 +73,8 @@ class EvalConfig:
             raise ValueError(f"the structural budget is a ratio in (0, 1], got {self.struct_budget}")
         if self.samples is not None and self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if isinstance(self.continuation, bool) or not isinstance(self.continuation, int) or self.continuation < 1:
+            raise ValueError(f"continuation must be a positive number of tokens, got {self.continuation!r}")
         if self.chat and self.benchmark == "niah":
             raise ValueError("--chat supports ruler and longbench; the needle grid runs plain prompts")
         if self.question_after and self.benchmark == "niah":
@@ -118,7 +122,7 @@ class EvalConfig:
         return min(records, self.samples or records)
 
     def all_tasks(self) -> list[str]:
-        if self.benchmark == "ruler":
+        if self.benchmark in ("ruler", "fidelity"):  # fidelity measures on RULER's prompts
             from .ruler import TASKS
             return list(TASKS)
         if self.benchmark == "longbench":
@@ -154,7 +158,7 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
     markup = sum(map(len, wrap())) if wrap else 0  # the chat turn's own tokens come out of the length budget
     out = []
     for length in cfg.lengths:
-        if cfg.benchmark == "ruler":
+        if cfg.benchmark in ("ruler", "fidelity"):
             from .ruler import generate
             for task in tasks:
                 n = cfg.task_samples(task)
@@ -316,11 +320,11 @@ def _check_settings(cfg: EvalConfig, out: Path) -> None:
         raise ValueError(f"{out} holds results made with other settings {clash}; choose another --out folder")
 
 
-def _open_output(cfg: EvalConfig, out: Path) -> dict[str, dict]:
-    """Create or reopen the folder; returns the finished predictions by key."""
+def _open_output(cfg: EvalConfig, out: Path, name: str = "predictions.jsonl") -> dict[str, dict]:
+    """Create or reopen the folder; returns the finished records of file `name` by key."""
     _check_settings(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
-    pred_path = out / "predictions.jsonl"
+    pred_path = out / name
     if pred_path.exists():
         _repair_tail(pred_path)
     done = _read_predictions(pred_path) if pred_path.exists() else {}
@@ -387,6 +391,7 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
                 "prediction": result.text, "outputs": sample["outputs"], "score": score(sample, result.text),
                 "prefill_s": s["prefill_s"], "decode_tokens_per_s": s["decode_tokens_per_s"],
                 "new_tokens": s["new_tokens"], "kv_cache_bytes": s["kv_cache_bytes"],
+                "kv_bytes_kept": s["kv_bytes_kept"],
                 "prefill_fraction": s.get("prefill_fraction", 1.0), "pivot_layer": s.get("pivot_layer"),
                 "compiled": _graphs_compiled() != graphs,  # this call's times include compilation
                 **extra,
@@ -543,6 +548,8 @@ def aggregate(records: list[dict]) -> dict:
         row["timed_calls"] = len(warm)
         for stat in ("prefill_fraction", "kv_cache_bytes", "prompt_tokens"):
             row[stat] = mean([r[stat] for r in recs])
+        kept = [r["kv_bytes_kept"] for r in recs if r.get("kv_bytes_kept") is not None]  # older folders lack it
+        row["kv_bytes_kept"] = mean(kept) if len(kept) == len(recs) else None
         table.append(row)
     table.sort(key=lambda r: (r["length"], r["kv_budget"] or 0, r["label"]))
     return {"rows": table}
@@ -551,7 +558,8 @@ def aggregate(records: list[dict]) -> dict:
 def summary_markdown(result: dict, cfg: EvalConfig | None = None) -> str:
     rows = result["rows"]
     tasks = sorted({t for r in rows for t in r["tasks"]})
-    head = ["method", "R_KV", "length", *tasks, "avg", "samples", "prefill s", "prefill frac", "KV MiB", "decode tok/s"]
+    head = ["method", "R_KV", "length", *tasks, "avg", "samples", "prefill s", "prefill frac", "KV MiB kept",
+            "KV MiB alloc", "decode tok/s"]
     lines = []
     if cfg is not None:
         asked = set(cfg.tasks or cfg.all_tasks())
@@ -573,6 +581,7 @@ def summary_markdown(result: dict, cfg: EvalConfig | None = None) -> str:
         cells += [f"{r['tasks'][t]:.1f}" if t in r["tasks"] else "" for t in tasks]
         cells += [f"{r['average']:.1f}", str(sum(r["n"].values())), f"{r['prefill_s']:.2f}",
                   f"{r['prefill_fraction']:.2f}",
+                  "-" if r.get("kv_bytes_kept") is None else f"{r['kv_bytes_kept'] / 2**20:.2f}",
                   f"{r['kv_cache_bytes'] / 2**20:.1f}",
                   f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] is not None else "-"]
         lines.append("| " + " | ".join(cells) + " |")

@@ -1,0 +1,114 @@
+"""Choosing StructKV's settings on the development split with the fidelity metric.
+
+Every configuration below runs on the same RULER prompts (development split: `--seed 7`; the
+confirmation runs use the evals' default seed 42, never looked at while choosing), all in one
+shared prefill per prompt, and is scored by `structkv.harness.eval.fidelity.measure` (KL to the
+full cache over the full cache's greedy continuation, top-1 agreement, gold NLL). Records go to
+`--out/records.jsonl` (resumable) and the table to `--out/summary.md`.
+
+    python benchmarks/structkv_dev.py --model smollm2 --chat --lengths 2048 --samples 5 \
+        --tasks niah_single_1,niah_multikey_1,vt,qa_1 --kv-budget 0.1 --out docs/results/structkv_dev_smollm2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import structkv
+from structkv import methods
+from structkv.files import write_text_atomic
+from structkv.harness.eval import fidelity
+from structkv.harness.eval.runner import EvalConfig, build_samples
+
+
+def configurations(kv: float, rs: float) -> dict:
+    """Label -> method: the baselines, the paper's reading and the options of docs/methods.md."""
+    sk = dict(kv_budget=kv, r_struct=rs)
+    return {
+        "snapkv": methods.get("snapkv", kv_budget=kv),
+        "pyramidkv": methods.get("pyramidkv", kv_budget=kv),
+        "fastkv": methods.get("fastkv", kv_budget=kv, tsp_rate=rs),
+        "structkv_paper": methods.get("structkv_paper", **sk),
+        "confirm2": methods.StructKV(**sk, confirm=2),
+        "confirm2+eq": methods.StructKV(**sk, confirm=2, equal_compute=True),
+        "confirm2+eq+guideS3": methods.StructKV(**sk, confirm=2, equal_compute=True, beta=3.0),
+        "confirm2+eq+guideS1": methods.StructKV(**sk, confirm=2, equal_compute=True, beta=1.0),
+        "confirm2+eq+guideC3": methods.StructKV(**sk, confirm=2, equal_compute=True, beta=3.0, guide="centrality"),
+        "confirm2+eq+union+guideS3": methods.StructKV(**sk, confirm=2, equal_compute=True, beta=3.0,
+                                                      skeleton="union"),
+        "fixed15/32+pivotskel+guideS3": methods.StructKV(**sk, pivot=15 / 32, skeleton="pivot", beta=3.0),
+        # round 2 (after reading round 1's table): which part costs the detected-pivot runs?
+        "confirm2+eq+pivotskel": methods.StructKV(**sk, confirm=2, equal_compute=True, skeleton="pivot"),
+        "confirm2+eq+pivotskel+guideS3": methods.StructKV(**sk, confirm=2, equal_compute=True, skeleton="pivot",
+                                                          beta=3.0),
+        "fixed15/32+centrality+guideS3": methods.StructKV(**sk, pivot=15 / 32, beta=3.0),
+        "fixed15/32+union+guideS3": methods.StructKV(**sk, pivot=15 / 32, skeleton="union", beta=3.0),
+        "fixed15/32+pivotskel+guideS1": methods.StructKV(**sk, pivot=15 / 32, skeleton="pivot", beta=1.0),
+        "fixed15/32+pivotskel+guideS10": methods.StructKV(**sk, pivot=15 / 32, skeleton="pivot", beta=10.0),
+        "fixed15/32+union+guideS3+decay0.5": methods.StructKV(**sk, pivot=15 / 32, skeleton="union", beta=3.0,
+                                                              decay=0.5),
+        # round 3: around the best of round 2
+        "fixed15/32+union+guideS10+decay0.5": methods.StructKV(**sk, pivot=15 / 32, skeleton="union", beta=10.0,
+                                                               decay=0.5),
+        "fixed15/32+union+guideS3+decay0.3": methods.StructKV(**sk, pivot=15 / 32, skeleton="union", beta=3.0,
+                                                              decay=0.3),
+        "confirm2+eq+union+guideS3+decay0.5": methods.StructKV(**sk, confirm=2, equal_compute=True, skeleton="union",
+                                                               beta=3.0, decay=0.5),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--lengths", type=int, default=2048)
+    p.add_argument("--samples", type=int, default=5)
+    p.add_argument("--tasks", default="niah_single_1,niah_multikey_1,vt,qa_1")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--chat", action="store_true")
+    p.add_argument("--kv-budget", type=float, default=0.1)
+    p.add_argument("--struct-budget", type=float, default=0.2)
+    p.add_argument("--continuation", type=int, default=32)
+    p.add_argument("--only", default=None, help="comma-separated labels to run")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    model = structkv.load(args.model)
+    configs = configurations(args.kv_budget, args.struct_budget)
+    if args.only:
+        configs = {k: v for k, v in configs.items() if k in args.only.split(",")}
+    cfg = EvalConfig(benchmark="fidelity", model=args.model, tasks=args.tasks.split(","), samples=args.samples,
+                     lengths=[args.lengths], seed=args.seed, chat=args.chat, continuation=args.continuation)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "records.jsonl"
+    done = {json.loads(line)["key"] for line in path.open()} if path.exists() else set()
+    with path.open("a") as sink:
+        for sample in build_samples(cfg, model.tokenizer):
+            base = f"{args.kv_budget:g}/{sample['length_budget']}/{sample['task']}/{sample['index']}"
+            todo = {k: m for k, m in configs.items() if f"{k}@{base}" not in done}
+            if not todo:
+                continue
+            found = fidelity.measure(model, sample["input_ids"], list(todo.values()), args.continuation,
+                                     fidelity.answer_ids(model.tokenizer, sample))
+            for label, values in zip(todo, found):
+                rec = {"key": f"{label}@{base}", "label": f"{label}@{args.kv_budget:g}", "method": label,
+                       "kv_budget": args.kv_budget, "task": sample["task"], "index": sample["index"],
+                       "length_budget": sample["length_budget"], **values}
+                sink.write(json.dumps(rec) + "\n")
+                sink.flush()
+            print(f"{sample['task']} #{sample['index']} done", file=sys.stderr, flush=True)
+    records = [json.loads(line) for line in path.open()]
+    result = fidelity.aggregate(records, seed=args.seed)
+    table = fidelity.summary_markdown(result)
+    head = (f"# StructKV development split: {args.model}, RULER {args.tasks} x {args.samples} at {args.lengths} "
+            f"tokens, seed {args.seed}{', chat' if args.chat else ''}, R_KV {args.kv_budget}, R_struct "
+            f"{args.struct_budget}, {args.continuation}-token continuation\n\n"
+            f"Command: python benchmarks/structkv_dev.py {' '.join(argv or sys.argv[1:])}\n\n")
+    write_text_atomic(out / "summary.md", head + table)
+    print(head + table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

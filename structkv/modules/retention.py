@@ -1,0 +1,108 @@
+"""KV retention: when and by which scores each planned layer's cache entries are chosen.
+
+`Retention` is what every method had so far: at a planned layer, rank the tokens by the method's
+`kv_scores`, keep the window plus the best, store them; nothing waits.
+
+`GuidedRetention` is StructKV's cross-layer retention: a layer's entries are chosen by
+    norm(S^(l)) + beta * norm(G),
+S^(l) the layer's own scores, G a guide on the original prompt columns that the propagation
+produces at the pivot (the pivot layer's pooled saliency per KV head, or the centrality C), and
+norm(x) = x / sum(x) over the row's ranked columns (each vector sums to 1, so beta weighs like
+for like). Layers before the pivot cannot know G yet: their K/V stay whole until the pivot
+fires, then all are selected at once (extra memory during the prefill only; the final cache is
+the same size). Why: per-layer selection is local, and early layers drop tokens the retrieval
+layers rank highly (the needle ranked 1209-1661 at Gemma 3's layer 5 but <= 340 at layer 11).
+"""
+from __future__ import annotations
+
+import torch
+
+from .selection import select_tokens
+
+
+class Retention:
+    """Select and store each planned layer's entries at once. Args: the method, its plan
+    {layer: keep per row} and the cache it fills."""
+
+    def __init__(self, method, plan: dict, cache):
+        self.method, self.plan, self.cache = method, plan, cache
+
+    def layer(self, view) -> None:
+        """Store layer `view.layer`'s entries (the window plus the best, or every entry if unplanned)."""
+        idx = self.select(view, self.method.kv_scores(view)) if view.layer in self.plan else None
+        with view.timer.phase("cache_fill"):
+            self.cache.fill(view.layer, view.k, view.v, view.positions, idx, check=False)
+
+    def select(self, view, scores: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, K) kept indices from scores (B, H, n), H = Hkv or 1."""
+        idx = select_tokens(scores, view.valid, self.plan[view.layer], self.method.window)
+        return idx.expand(-1, view.k.shape[1], -1) if idx.shape[1] == 1 else idx
+
+    def after_propagation(self, prop) -> None:
+        """Called after the propagation saw the layer (a guide may now exist)."""
+
+    def finish(self) -> None:
+        """Called once after the last layer."""
+
+
+class _Held:
+    """A planned layer waiting for the guide: its K/V, positions, columns and own scores."""
+
+    def __init__(self, view, scores):
+        self.layer, self.k, self.v, self.positions = view.layer, view.k, view.v, view.positions
+        self.columns, self.scores, self.valid, self.timer = view.columns, scores, view.valid, view.timer
+
+
+class GuidedRetention(Retention):
+    """`Retention` blended with the propagation's guide (see the module docstring).
+
+    Args: beta, the guide's weight (0 = the plain method: same entries as `Retention`).
+    The propagation must offer `guide()` -> (B, Hg, N) on prompt columns, or None until every row
+    has fired."""
+
+    def __init__(self, method, plan: dict, cache, beta: float):
+        super().__init__(method, plan, cache)
+        self.beta, self.guide, self.held = beta, None, []
+
+    def layer(self, view) -> None:
+        if view.layer not in self.plan:
+            with view.timer.phase("cache_fill"):
+                self.cache.fill(view.layer, view.k, view.v, view.positions, None, check=False)
+            return
+        scores = self.method.kv_scores(view)
+        if self.guide is None and self.beta:
+            self.held.append(_Held(view, scores))
+            return
+        self._store(_Held(view, scores))
+
+    def after_propagation(self, prop) -> None:
+        if self.guide is None and self.beta and prop is not None:
+            self.guide = prop.guide()
+            if self.guide is not None:
+                self._flush()
+
+    def finish(self) -> None:
+        self._flush()  # never guided (no pivot fired): own scores only
+
+    def _flush(self) -> None:
+        for held in self.held:
+            self._store(held)
+        self.held = []
+
+    def _store(self, held: _Held) -> None:
+        scores = held.scores
+        if self.guide is not None:
+            ranked = held.valid & (torch.arange(held.valid.shape[1], device=scores.device)
+                                   < held.valid.shape[1] - self.method.window)  # (B, n)
+            g = self.guide.gather(2, held.columns[:, None].expand(-1, self.guide.shape[1], -1))  # (B, Hg, n)
+            scores = _norm(scores, ranked) + self.beta * _norm(g, ranked)
+        idx = select_tokens(scores, held.valid, self.plan[held.layer], self.method.window)
+        idx = idx.expand(-1, held.k.shape[1], -1) if idx.shape[1] == 1 else idx
+        with held.timer.phase("cache_fill"):
+            self.cache.fill(held.layer, held.k, held.v, held.positions, idx, check=False)
+
+
+def _norm(x: torch.Tensor, ranked: torch.Tensor) -> torch.Tensor:
+    """x (B, H, n) / its sum over the ranked columns (B, n); zero elsewhere."""
+    x = x.float() * ranked[:, None]
+    return x / x.sum(-1, keepdim=True).clamp_min(1e-30)
