@@ -9,7 +9,8 @@ from pathlib import Path
 
 from structkv.fetch import cache_root
 
-DEMO_METHODS = ["full", "streaming_llm", "snapkv", "pyramidkv", "h2o", "gemfilter", "fastkv", "structkv"]
+DEMO_METHODS = ["full", "streaming_llm", "snapkv", "pyramidkv", "h2o", "gemfilter", "fastkv", "structkv",
+                "structkv_paper"]
 DEMO_TASKS = ["niah_single_1", "niah_single_2"]  # tasks the 270M model solves with the full cache
 GENERATE_DOC = """Continue a prompt, streaming tokens to stdout; a stats line (prefill s, prefill fraction,
 pivot, KV entries and bytes kept, decode tok/s) goes to stderr.

@@ -529,3 +529,28 @@ def test_calibrate_fixes_the_pivot_from_prompts(llama):
     assert state.stats["pivot_layer"] == fixed.pivot
     with pytest.raises(TypeError, match="StructKV"):
         methods.calibrate(llama, [_ids(10)], methods.SnapKV())
+
+
+@pytest.mark.parametrize("options", [{"observe": 32}, {"pool_query_heads": True}, {"pyramid": 20.0}])
+def test_scoring_and_budget_options_keep_their_invariants(llama, options):
+    """A 32-query observation window with 8 forced, per-query-head pooling and pyramid budgets:
+    planned layers keep exactly their budget (the pyramid's per-layer budgets sum to the flat
+    total), always with the forced window; each option at its neutral setting is the plain method."""
+    ids = _ids(160, seed=8)
+    method = methods.StructKV(kv_budget=0.2, pivot=2, **options)
+    state = _compress(llama, ids, method)
+    lengths = torch.tensor([160])
+    plan = method.kv_plan(llama.config, lengths)
+    for i, layer in enumerate(state.cache.layers):
+        pos = layer.pos[0]
+        assert ((pos >= 0).sum(-1) == plan[i][0]).all()
+        assert all(set(range(152, 160)) <= set(h[h >= 0].tolist()) for h in pos)
+    flat = method.kv_keep(lengths)[0] * len(plan)
+    assert abs(sum(p[0] for p in plan.values()) - flat) <= len(plan)
+    neutral = {"observe": {"observe": 8}, "pool_query_heads": {"pool_query_heads": True, "pooling": None},
+               "pyramid": {"pyramid": None}}[next(iter(options))]
+    base = {"pooling": None} if "pool_query_heads" in options else {}
+    _same_cache(_compress(llama, ids, methods.StructKV(kv_budget=0.2, pivot=2, **neutral)),
+                _compress(llama, ids, methods.StructKV(kv_budget=0.2, pivot=2, **base)))
+    with pytest.raises(ValueError, match="observe must be"):
+        methods.SnapKV(observe=4)

@@ -47,13 +47,34 @@ class WindowScored(Method):
     kernel: int = 7
     pooling: str | None = "max"
     per_head: bool = True
+    # Scoring options (KV selection only): `observe` queries score the keys while only `window`
+    # are forced in (None: the same w); `pool_query_heads` pools each query head's attention
+    # before the sum over its KV group, as SnapKV's and FastKV's official code do (default: the
+    # group's sum is pooled, one pass over K).
+    observe: int | None = None
+    pool_query_heads: bool = False
     compresses_kv = True
     min_window = 1
 
     def kv_scores(self, view):
-        saliency, _ = view.window_scores(self.window)
-        scores = pooled_saliency(saliency, self.window, self.kernel, self.pooling)  # (B, Hkv, n)
+        w = self.observe or self.window
+        if self.pool_query_heads:
+            per_query = view.window_scores_per_query_head(w)  # (B, Hq, n)
+            B, Hq, n = per_query.shape
+            pooled = pooled_saliency(per_query, self.window, self.kernel, self.pooling)
+            scores = pooled.view(B, view.k.shape[1], Hq // view.k.shape[1], n).sum(2)  # (B, Hkv, n)
+        else:
+            saliency, _ = view.window_scores(w)
+            scores = pooled_saliency(saliency, self.window, self.kernel, self.pooling)  # (B, Hkv, n)
         return scores if self.per_head else scores.sum(1, keepdim=True)
+
+    def validate(self):
+        super().validate()
+        o = self.observe
+        if o is not None and (isinstance(o, bool) or not isinstance(o, int) or o < max(self.window, 1)):
+            raise ValueError(f"{self.name}: observe must be an int >= window ({self.window}) or None, got {o!r}")
+        if not isinstance(self.pool_query_heads, bool):
+            raise ValueError(f"{self.name}: pool_query_heads must be True or False, got {self.pool_query_heads!r}")
 
 
 @dataclass
@@ -77,21 +98,26 @@ class PyramidKV(SnapKV):
                              f"larger = steeper), got {self.beta!r}")
 
     def layer_keep(self, layer, layout, lengths, base):
-        """kvpress/PyramidKV schedule over the scored layers: max at the first, min at the last."""
-        scored = layout.full_attention_layers
-        if layer not in scored or len(scored) < 2:
-            return base
-        j, m = scored.index(layer), len(scored)
-        out = []
-        for cap, n in zip(base, lengths.tolist()):
-            w = min(self.window, cap)
-            lo = (cap - w) / self.beta
-            hi = 2 * (cap - w) - lo
-            if hi >= n - w:
-                hi = n - w
-                lo = 2 * (cap - w) - hi
-            out.append(int(round(hi - j * (hi - lo) / (m - 1))) + w)
-        return out
+        return pyramid_keep(layer, layout, lengths, base, self.beta, self.window)
+
+
+def pyramid_keep(layer, layout, lengths, base, beta: float, window: int) -> list[int]:
+    """kvpress/PyramidKV schedule over the scored layers: max at the first, min at the last, the
+    same total as `base` at every layer (beta: max/min ratio of the non-window budgets)."""
+    scored = layout.full_attention_layers
+    if layer not in scored or len(scored) < 2:
+        return base
+    j, m = scored.index(layer), len(scored)
+    out = []
+    for cap, n in zip(base, lengths.tolist()):
+        w = min(window, cap)
+        lo = (cap - w) / beta
+        hi = 2 * (cap - w) - lo
+        if hi >= n - w:
+            hi = n - w
+            lo = 2 * (cap - w) - hi
+        out.append(int(round(hi - j * (hi - lo) / (m - 1))) + w)
+    return out
 
 
 @dataclass
@@ -177,6 +203,7 @@ class StructKV(WindowScored):
     equal_compute: bool = False
     guide: str = "pivot"
     beta: float = 3.0
+    pyramid: float | None = None  # PyramidKV-shaped per-layer KV budgets with this steepness (None: flat)
     name = "structkv"
     struct_budget_option: ClassVar[str] = "r_struct"
 
@@ -209,6 +236,9 @@ class StructKV(WindowScored):
             return out
         return keep_at
 
+    def layer_keep(self, layer, layout, lengths, base):
+        return base if self.pyramid is None else pyramid_keep(layer, layout, lengths, base, self.pyramid, self.window)
+
     def retention(self, plan, cache):
         from ..modules.retention import GuidedRetention, Retention
 
@@ -235,6 +265,9 @@ class StructKV(WindowScored):
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not 0 <= self.beta < math.inf:
             raise ValueError(f"structkv: beta must be a finite number >= 0 (0 = no guided retention), "
                              f"got {self.beta!r}")
+        p = self.pyramid
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 1 <= p < math.inf):
+            raise ValueError(f"structkv: pyramid must be None or a finite number >= 1 (PyramidKV's beta), got {p!r}")
         if isinstance(self.confirm, bool) or not isinstance(self.confirm, int) or self.confirm < 1:
             raise ValueError(f"structkv: confirm must be an int >= 1, got {self.confirm!r}")
         if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:

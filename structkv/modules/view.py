@@ -41,6 +41,16 @@ class LayerView:
                                  self.positions, scale=self.scale)
         return self._scores(("window", window), compute)
 
+    def window_scores_per_query_head(self, window: int) -> torch.Tensor:
+        """(B, Hq, n): each query head's attention from the last `window` queries (K repeated per
+        query head, so the op's group sum is over one head)."""
+        def compute():
+            n, G = self.k.shape[2], self.q.shape[1] // self.k.shape[1]
+            k = self.k.repeat_interleave(G, dim=1)  # (B, Hq, n, D)
+            return window_scores(self.q[:, :, n - window:], k, self.positions[:, n - window:].contiguous(),
+                                 self.positions, scale=self.scale)[0]
+        return self._scores(("window_q", window), compute)
+
     def received_attention(self) -> torch.Tensor:
         """(B, Hkv, n): attention received from every query (H2O)."""
         return self._scores(("received",), lambda: received_attention(self.q, self.k, self.positions, self.scale))
