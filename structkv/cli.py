@@ -285,7 +285,7 @@ def main(argv=None) -> int:
     g.set_defaults(fn=_generate)
     e = sub.add_parser("eval", help="accuracy of methods on RULER, LongBench or a needle grid (offline, resumable)")
     e.add_argument("benchmark", choices=["ruler", "longbench", "niah", "fidelity"],
-                   help="fidelity: KL to the full cache, top-1 agreement and gold NLL on RULER prompts "
+                   help="fidelity: KL to the full cache, top-1 agreement and gold NLL on RULER and LongBench prompts "
                         "(docs/evaluation.md)")
     e.add_argument("--model", default="gemma-3-270m", help="alias, HF folder, .gguf file or Hub id")
     e.add_argument("--methods", type=_csv(str), default=["full", "snapkv", "fastkv", "structkv"],

@@ -65,3 +65,15 @@ def test_paired_bootstrap():
     assert paired["kl_diff"] == pytest.approx(-0.1) and paired["ci"][1] < 0 and paired["wins"] == 30
     lo, hi = rows["fastkv@0.1"]["kl_ci"]
     assert lo < rows["fastkv@0.1"]["kl"] < hi
+
+
+def test_fidelity_on_longbench_records(byte_model_dir, tmp_path):
+    """LongBench tasks named in --tasks are measured on their (middle-truncated) records."""
+    out = tmp_path / "lb"
+    argv = ["eval", "fidelity", "--model", str(byte_model_dir), "--out", str(out), "--methods", "full,snapkv",
+            "--kv-budget", "0.3", "--lengths", "900", "--tasks", "trec,niah_single_1", "--samples", "1",
+            "--continuation", "4", "--eager", "--quiet"]
+    assert main(argv) == 0
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert sorted(r["task"] for r in records) == ["niah_single_1", "trec"]
+    assert all(r["prompt_tokens"] <= 900 and r["kl"] >= -1e-6 for r in records)

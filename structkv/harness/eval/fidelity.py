@@ -2,7 +2,8 @@
 on a few prompts with little noise (`structkv eval fidelity`).
 
 Per prompt (RULER samples: needles in essays and in repeated text, variable tracking, word
-counts, QA over documents), the full cache's greedy continuation of K tokens (default 64) and the
+counts, QA over documents; and LongBench records named by `--tasks`: QA over stories, papers and
+Wikipedia, summaries, code), the full cache's greedy continuation of K tokens (default 64) and the
 gold answer are teacher-forced through every method's compressed cache, all methods' caches
 stacked into one batch (`StackedKVCache`, the same prefill pass for all: `compress_shared`):
 - KL(full || method), mean over the K continuation positions (nats);
@@ -196,7 +197,7 @@ def summary_markdown(result: dict, cfg=None) -> str:
     lines = []
     if cfg is not None:
         chat = ", chat template" if cfg.chat else ""
-        lines.append(f"# fidelity on {cfg.model}: RULER prompts of {', '.join(cfg.tasks or ['every task'])}, "
+        lines.append(f"# fidelity on {cfg.model}: prompts of {', '.join(cfg.tasks or ['every task'])}, "
                      f"{cfg.samples} per task, seed {cfg.seed}, {cfg.continuation}-token greedy continuation of "
                      f"the full cache{chat}, R_struct {cfg.struct_budget}\n")
     head = ["method", "R_KV", "length", "prompts", "KL(full||m) [95% CI]", "top-1 agree", "gold NLL (full)",

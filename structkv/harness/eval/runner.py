@@ -111,9 +111,11 @@ class EvalConfig:
     def task_samples(self, task: str) -> int:
         """Samples the run asks of `task` (per length; niah: per depth): LongBench has only its
         file's records."""
-        if self.benchmark != "longbench":
-            return self.samples or DEFAULT_SAMPLES
+        from .longbench import TASKS as LONGBENCH
         from .longbench import task_file
+
+        if self.benchmark != "longbench" and not (self.benchmark == "fidelity" and task in LONGBENCH):
+            return self.samples or DEFAULT_SAMPLES
         try:
             with task_file(task, self.data_dir, not self.longbench_full).open() as f:
                 records = sum(1 for line in f if line.strip())
@@ -122,9 +124,10 @@ class EvalConfig:
         return min(records, self.samples or records)
 
     def all_tasks(self) -> list[str]:
-        if self.benchmark in ("ruler", "fidelity"):  # fidelity measures on RULER's prompts
+        if self.benchmark in ("ruler", "fidelity"):  # fidelity: RULER's and LongBench's prompts
+            from .longbench import TASKS as LONGBENCH
             from .ruler import TASKS
-            return list(TASKS)
+            return list(TASKS) + (list(LONGBENCH) if self.benchmark == "fidelity" else [])
         if self.benchmark == "longbench":
             from .longbench import TASKS
             return list(TASKS)
@@ -158,9 +161,10 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
     markup = sum(map(len, wrap())) if wrap else 0  # the chat turn's own tokens come out of the length budget
     out = []
     for length in cfg.lengths:
-        if cfg.benchmark in ("ruler", "fidelity"):
+        ruler_tasks, longbench_tasks = _task_sources(cfg, tasks)
+        if ruler_tasks:
             from .ruler import generate
-            for task in tasks:
+            for task in ruler_tasks:
                 n = cfg.task_samples(task)
                 for start in range(0, n, 10):  # in steps of 10 (samples are independent), to show progress
                     _building(progress, f"RULER {task} at {length} tokens: {start + 1}-{min(n, start + 10)} of {n}")
@@ -169,9 +173,9 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
                         out.append({**rec, **_ruler_ids(rec.pop("input"), rec.pop("question"), rec["answer_prefix"],
                                                         tokenizer, wrap, cfg.question_after),
                                     "length_budget": length})
-        elif cfg.benchmark == "longbench":
+        if longbench_tasks:
             from .longbench import load
-            for task in tasks:
+            for task in longbench_tasks:
                 _building(progress, f"LongBench {task} at {length} tokens")
                 bos = 1 if wrap and tokenizer.add_bos and tokenizer.bos_id is not None else 0  # dropped below
                 for rec in load(task, tokenizer, length - markup + bos, root=cfg.data_dir,
@@ -181,7 +185,7 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
                         rec["input_ids"] = ids[1:] if ids[:1] == [tokenizer.bos_id] else ids
                     rec.update(_split(rec.pop("input_ids"), rec.pop("question_ids", []), [], wrap, cfg.question_after))
                     out.append({**rec, "length_budget": length})
-        else:
+        if cfg.benchmark == "niah":
             from ...data import needle_prompt
             for depth in cfg.depths:
                 _building(progress, f"needles at {length} tokens, depth {depth:g}")
@@ -193,6 +197,18 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
     if progress and sys.stderr.isatty():
         print(file=sys.stderr)
     return out
+
+
+def _task_sources(cfg: EvalConfig, tasks: list[str]) -> tuple[list[str], list[str]]:
+    """(RULER tasks, LongBench tasks) of a run: fidelity measures on prompts of both."""
+    if cfg.benchmark == "ruler":
+        return tasks, []
+    if cfg.benchmark == "longbench":
+        return [], tasks
+    if cfg.benchmark == "fidelity":
+        from .longbench import TASKS as LONGBENCH
+        return [t for t in tasks if t not in LONGBENCH], [t for t in tasks if t in LONGBENCH]
+    return [], []
 
 
 def _chat_wrapper(tokenizer):
