@@ -8,8 +8,8 @@ gold answer are teacher-forced through every method's compressed cache, all meth
 stacked into one batch (`StackedKVCache`, the same prefill pass for all: `compress_shared`):
 - KL(full || method), mean over the K continuation positions (nats);
 - top-1 agreement: how often the method's argmax is the full cache's token;
-- gold NLL: mean negative log-likelihood of the gold answer's tokens after the prompt (the full
-  cache's row gives the reference).
+- gold NLL: mean negative log-likelihood of the gold answer's tokens (its first 64) after the
+  prompt (the full cache's row gives the reference).
 A task score flips on one token; these move smoothly, so 20-40 prompts separate methods whose
 RULER accuracies are within noise. Per method: means with bootstrap 95 % intervals over prompts,
 and paired differences against FastKV and SnapKV at the same KV budget (resampling prompts,
@@ -33,13 +33,14 @@ from .. import mean
 from .runner import Progress, _check_settings, _open_output, _read_predictions, build_samples, make_method, method_runs
 
 BOOTSTRAP = 2000
+GOLD_TOKENS = 64  # gold NLL over at most the answer's first 64 tokens (summaries: (R, S, V) logits fit)
 PAIRED_WITH = ("fastkv", "snapkv")
 
 
 def answer_ids(tokenizer, sample: dict) -> list[int]:
     """The gold answer as the model would write it after the prompt (first gold string, with a
     leading space as RULER's answers follow the answer prefix)."""
-    return tokenizer.encode(" " + sample["outputs"][0].strip(), add_bos=False)
+    return tokenizer.encode(" " + sample["outputs"][0].strip(), add_bos=False)[:GOLD_TOKENS]
 
 
 @torch.inference_mode()
@@ -66,12 +67,14 @@ def measure(model, ids: list[int], methods: list, continuation: int, gold: list[
             pos = torch.cat([s.next_positions for s in rows]) + torch.arange(len(seq) - 1)  # (R, S-1)
             rest = model.extend(torch.tensor([seq[:-1]]).expand(R, -1), pos, cache, every=True)  # (R, S-1, V)
             first = torch.cat([first, rest], 1)
-        outs.append(torch.log_softmax(first.float(), -1))  # (R, S, V)
-    logp, gold_logp = outs
+        outs.append(first)  # (R, S, V) logits
+    logits, gold_logits = outs
+    logp = torch.log_softmax(logits.float(), -1)  # (R, K, V)
     target = torch.tensor(cont)
     kl = (logp[0].exp() * (logp[0] - logp)).sum(-1).mean(-1)  # (R,)
     top1 = (logp.argmax(-1) == target).float().mean(-1)
-    nll = -gold_logp.gather(-1, torch.tensor(gold).expand(len(rows), -1)[..., None])[..., 0].mean(-1)
+    picked = gold_logits.gather(-1, torch.tensor(gold).expand(len(rows), -1)[..., None])[..., 0]  # (R, S)
+    nll = (torch.logsumexp(gold_logits.float(), -1) - picked.float()).mean(-1)  # no (R, S, V) log-softmax copy
     stats = [s.stats for s in states]
     return [{"kl": float(kl[r + 1]), "top1": float(top1[r + 1]), "gold_nll": float(nll[r + 1]),
              "full_gold_nll": float(nll[0]), "prefill_fraction": st["prefill_fraction"],
