@@ -9,8 +9,9 @@ its selected tokens with renumbered positions.
 
 Every token carries its original position (left padding = -1), so a kept subset attends exactly
 as it would in the full prompt. Hybrid models (Gemma 3): only full-attention layers are planned or
-scored; sliding layers keep their exact window as a ring. `structkv.shared.compress_shared` runs
-many methods in one pass with the same per-layer pieces (`Stream`, `LayerView`, `Retention`).
+scored; sliding layers keep their window as a ring (after a propagation: the skeleton's tokens
+in it). `structkv.shared.compress_shared` runs many methods in one pass with the same per-layer
+pieces (`Stream`, `LayerView`, `Retention`).
 """
 from __future__ import annotations
 
