@@ -29,14 +29,11 @@ class Retention:
 
     def layer(self, view) -> None:
         """Store layer `view.layer`'s entries (the window plus the best, or every entry if unplanned)."""
-        idx = self.select(view, self.method.kv_scores(view)) if view.layer in self.plan else None
-        with view.timer.phase("cache_fill"):
-            self.cache.fill(view.layer, view.k, view.v, view.positions, idx, check=False)
-
-    def select(self, view, scores: torch.Tensor) -> torch.Tensor:
-        """(B, Hkv, K) kept indices from scores (B, H, n), H = Hkv or 1."""
-        idx = select_tokens(scores, view.valid, self.plan[view.layer], self.method.window)
-        return idx.expand(-1, view.k.shape[1], -1) if idx.shape[1] == 1 else idx
+        if view.layer not in self.plan:
+            with view.timer.phase("cache_fill"):
+                self.cache.fill(view.layer, view.k, view.v, view.positions, None, check=False)
+            return
+        self._store(_Held(view, self.method.kv_scores(view)))
 
     def after_propagation(self, prop) -> None:
         """Called after the propagation saw the layer (a guide may now exist)."""
@@ -44,9 +41,19 @@ class Retention:
     def finish(self) -> None:
         """Called once after the last layer."""
 
+    def _scores(self, held: "_Held") -> torch.Tensor:
+        """The scores (B, H, n), H = Hkv or 1, that choose a planned layer's entries."""
+        return held.scores
+
+    def _store(self, held: "_Held") -> None:
+        idx = select_tokens(self._scores(held), held.valid, self.plan[held.layer], self.method.window)
+        idx = idx.expand(-1, held.k.shape[1], -1) if idx.shape[1] == 1 else idx  # (B, Hkv, K)
+        with held.timer.phase("cache_fill"):
+            self.cache.fill(held.layer, held.k, held.v, held.positions, idx, check=False)
+
 
 class _Held:
-    """A planned layer waiting for the guide: its K/V, positions, columns and own scores."""
+    """A planned layer's K/V, positions, columns and own scores (held until the guide exists)."""
 
     def __init__(self, view, scores):
         self.layer, self.k, self.v, self.positions = view.layer, view.k, view.v, view.positions
@@ -65,15 +72,10 @@ class GuidedRetention(Retention):
         self.beta, self.guide, self.held = beta, None, []
 
     def layer(self, view) -> None:
-        if view.layer not in self.plan:
-            with view.timer.phase("cache_fill"):
-                self.cache.fill(view.layer, view.k, view.v, view.positions, None, check=False)
+        if view.layer in self.plan and self.guide is None and self.beta:
+            self.held.append(_Held(view, self.method.kv_scores(view)))  # chosen once the guide exists
             return
-        scores = self.method.kv_scores(view)
-        if self.guide is None and self.beta:
-            self.held.append(_Held(view, scores))
-            return
-        self._store(_Held(view, scores))
+        super().layer(view)
 
     def after_propagation(self, prop) -> None:
         if self.guide is None and self.beta and prop is not None:
@@ -89,17 +91,13 @@ class GuidedRetention(Retention):
             self._store(held)
         self.held = []
 
-    def _store(self, held: _Held) -> None:
-        scores = held.scores
-        if self.guide is not None:
-            ranked = held.valid & (torch.arange(held.valid.shape[1], device=scores.device)
-                                   < held.valid.shape[1] - self.method.window)  # (B, n)
-            g = self.guide.gather(2, held.columns[:, None].expand(-1, self.guide.shape[1], -1))  # (B, Hg, n)
-            scores = _norm(scores, ranked) + self.beta * _norm(g, ranked)
-        idx = select_tokens(scores, held.valid, self.plan[held.layer], self.method.window)
-        idx = idx.expand(-1, held.k.shape[1], -1) if idx.shape[1] == 1 else idx
-        with held.timer.phase("cache_fill"):
-            self.cache.fill(held.layer, held.k, held.v, held.positions, idx, check=False)
+    def _scores(self, held: _Held) -> torch.Tensor:
+        if self.guide is None:
+            return held.scores
+        n = held.valid.shape[1]
+        ranked = held.valid & (torch.arange(n, device=held.valid.device) < n - self.method.window)  # (B, n)
+        g = self.guide.gather(2, held.columns[:, None].expand(-1, self.guide.shape[1], -1))  # (B, Hg, n)
+        return _norm(held.scores, ranked) + self.beta * _norm(g, ranked)
 
 
 def _norm(x: torch.Tensor, ranked: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,6 @@ def answer_ids(tokenizer, sample: dict) -> list[int]:
 @torch.inference_mode()
 def measure(model, ids: list[int], methods: list, continuation: int, gold: list[int], compile=False) -> list[dict]:
     """{kl, top1, gold_nll} per method for one prompt (the full cache's own row is the reference)."""
-    from ...compress import compress
     from ...methods import Full
     from ...models.kv_cache import StackedKVCache
     from ...prompts import encode_batch
@@ -54,9 +53,8 @@ def measure(model, ids: list[int], methods: list, continuation: int, gold: list[
 
     tokens, positions, _ = encode_batch(model, [ids])
     room = continuation + len(gold) + 1
-    reference = compress(model, tokens, positions, Full(), room=room)
-    states = compress_shared(model, tokens, positions, methods, room=room, compile=compile)
-    rows = [reference, *states]
+    rows = compress_shared(model, tokens, positions, [Full(), *methods], room=room, compile=compile)
+    reference, states = rows[0], rows[1:]  # the full cache's lane shares the pass with the methods
     cont = _decode(model, reference, continuation)  # the full cache's own continuation
     outs = []
     for seq in (cont, gold):
