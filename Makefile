@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,demo,eval,triton]"
+	$(PY) -m pip install -q -e ".[dev,demo,eval,serve,triton]"
 	touch $@
 
 venv: $(VENV)/.installed

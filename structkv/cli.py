@@ -1,4 +1,4 @@
-"""Command line: `structkv demo` (the main job on the embedded default model), `eval` and `generate`."""
+"""Command line: `structkv demo` (the main job on the embedded default model), `eval`, `generate`, `bench`, `serve`."""
 from __future__ import annotations
 
 import argparse
@@ -237,6 +237,49 @@ def _bench(args) -> int:
     return 0
 
 
+def _bytes(text):
+    """A size such as 1073741824, 512MiB or 2GiB."""
+    units = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    t = text.strip().lower()
+    number = t.rstrip("kmgib")
+    try:
+        value = int(float(number) * units[t[len(number):]])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected a size such as 1073741824, 512MiB or 2GiB, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a size >= 0, got {text!r}")
+    return value
+
+
+def _serve(args) -> int:
+    import torch
+
+    try:
+        from structkv.serve import build
+        from structkv.serve.engine import Settings
+        from structkv.serve.launch import uvicorn_config
+    except ImportError as e:
+        raise ImportError(f"structkv serve needs its extra ({e.name} is missing): pip install 'structkv[serve]'") \
+            from None
+    import uvicorn
+
+    import structkv
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"structkv: warning: serving on {args.host} without authentication; anyone who can reach it can use "
+              "the model", file=sys.stderr)
+    settings = Settings(model_name=args.served_name or args.model, method=args.method, kv_budget=args.kv_budget,
+                        struct_budget=args.struct_budget, cache_bytes=args.cache_bytes, max_queue=args.max_queue,
+                        max_tokens=args.max_tokens, room=args.room, min_context_tokens=args.min_context_tokens,
+                        compile={"auto": "auto", "always": True, "never": False}[args.compile])
+    model = structkv.load(args.model, dtype=args.dtype)
+    app = build(model, settings, max_request_bytes=args.max_request_bytes)
+    uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="structkv", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -348,6 +391,31 @@ def main(argv=None) -> int:
     b.add_argument("--eager", action="store_true")
     b.add_argument("--int8-head", action="store_true", help=INT8_HELP)
     b.set_defaults(fn=_bench)
+    s = sub.add_parser("serve", help="OpenAI-compatible server: compress a long context once, answer many questions",
+                       description="POST /v1/chat/completions and /v1/completions, GET /v1/models, /health and "
+                                   "/metrics (docs/serve.md). Needs: pip install 'structkv[serve]'.")
+    s.add_argument("--model", default="gemma-3-270m", help="alias, HF folder, .gguf file or Hub id")
+    s.add_argument("--served-name", default=None, help="the model id clients send (default: --model)")
+    s.add_argument("--method", default="structkv", help="default compression method (requests may override): "
+                   + ", ".join(_method_names()))
+    s.add_argument("--kv-budget", type=float, default=None, help="default R_KV (method default if unset)")
+    s.add_argument("--struct-budget", type=float, default=None, help="default R_struct")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--cache-bytes", type=_bytes, default=1 << 30,
+                   help="bound on the compressed contexts kept between requests, e.g. 512MiB (0: no cache)")
+    s.add_argument("--max-queue", type=_positive_int, default=16, help="requests waiting before 503 + Retry-After")
+    s.add_argument("--max-tokens", type=_positive_int, default=1024, help="new tokens per request, at most")
+    s.add_argument("--max-request-bytes", type=_bytes, default=16 << 20, help="request body size, at most")
+    s.add_argument("--room", type=_positive_int, default=512,
+                   help="cache slots kept after a cached context for a question and its answer (grown on demand)")
+    s.add_argument("--min-context-tokens", type=_positive_int, default=256,
+                   help="a conversation's history is compressed and cached only from this length")
+    s.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
+    s.add_argument("--compile", choices=["auto", "always", "never"], default="auto")
+    s.add_argument("--threads", type=_positive_int, default=None)
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(fn=_serve)
     args = p.parse_args(argv)
     try:
         return args.fn(args)

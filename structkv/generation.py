@@ -114,9 +114,9 @@ def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, tem
     `compile`: True (inductor), False (eager), "auto" (compile only where it pays for this call,
     `structkv.compiling`) or a torch.compile backend.
     `stream`: called after every step with each row's new token id (None for a row that has
-    stopped), so text can be shown as it is produced. `timing`: time the compression's phases
-    (scoring, selection, cache fill; synchronises a GPU at each phase). Returns the new text, the
-    new token ids and stats; a list prompt gives lists.
+    stopped), so text can be shown as it is produced; returning True stops generation there.
+    `timing`: time the compression's phases (scoring, selection, cache fill; synchronises a GPU at
+    each phase). Returns the new text, the new token ids and stats; a list prompt gives lists.
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
     method = _method(method)
@@ -203,8 +203,8 @@ def _decode_loop(model, logits, next_pos, cache, max_new_tokens, temperature, to
         was_done = done.clone() if stream is not None else None
         if stop_at_eos and eos.numel():
             done |= torch.isin(tok, eos)
-        if stream is not None:
-            stream([None if d else t for t, d in zip(tok.tolist(), (was_done | done).tolist())])
+        if stream is not None and stream([None if d else t for t, d in zip(tok.tolist(), (was_done | done).tolist())]):
+            break  # the caller asked to stop (a stop string appeared, its client went away)
         if stop_at_eos and eos.numel() and bool(done.all()):
             break
         if step == max_new_tokens - 1:

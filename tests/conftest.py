@@ -1,7 +1,9 @@
 """Shared fixtures: tiny random HF models saved as safetensors folders, hypothesis profile."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -163,3 +165,25 @@ def write_tiny_gemma_gguf(path, *, seed: int = 0, drop_key: str | None = None):
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+TEMPLATE = ("{% for m in messages %}{{ '<bos>' if loop.first }}<|{{ m['role'] }}|>\n{{ m['content'] }}<eos>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_dir(byte_model_dir, tmp_path_factory):
+    """The byte-level tiny model with a chat template in its tokenizer_config.json."""
+    folder = tmp_path_factory.mktemp("chat") / "m"
+    shutil.copytree(byte_model_dir, folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>",
+         "eos_token": "<eos>"}))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def chat_model(chat_dir):
+    import structkv
+
+    return structkv.load(chat_dir)

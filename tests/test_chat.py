@@ -1,7 +1,6 @@
 """Chat templates: rendered in a sandbox exactly as transformers' apply_chat_template does, used by
 generate, prefill (multi-turn over a compressed state) and the CLI."""
 import json
-import shutil
 
 import pytest
 import torch
@@ -10,26 +9,8 @@ import structkv
 from structkv import chat, methods
 from structkv.cli import main
 
-TEMPLATE = ("{% for m in messages %}{{ '<bos>' if loop.first }}<|{{ m['role'] }}|>\n{{ m['content'] }}<eos>\n"
-            "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
                 {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]
-
-
-@pytest.fixture(scope="module")
-def chat_dir(byte_model_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("chat") / "m"
-    shutil.copytree(byte_model_dir, folder)
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>",
-         "eos_token": "<eos>"}))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def chat_model(chat_dir):
-    return structkv.load(chat_dir)
-
 
 def test_template_tokens_equal_transformers(chat_dir, chat_model):
     from transformers import AutoTokenizer

@@ -1,0 +1,171 @@
+"""The HTTP side: OpenAI routes on Starlette, served by uvicorn.
+
+Every error leaves as an OpenAI error object with its 4xx/5xx code; nothing a client sends can
+make a route raise past `_answer`, so the server keeps serving. Streams are server-sent events
+(`data: {json}` per chunk, `data: [DONE]` at the end); a client that goes away cancels its job.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .engine import Engine
+from .protocol import APIError, chunk, parse, response
+
+POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
+
+
+def make_app(engine: Engine, max_request_bytes: int = 16 << 20) -> Starlette:
+    """The server's ASGI app around a running `Engine` (closed when the app shuts down)."""
+
+    async def chat(request):
+        return await _answer(engine, request, "chat", "/v1/chat/completions", max_request_bytes)
+
+    async def completions(request):
+        return await _answer(engine, request, "completion", "/v1/completions", max_request_bytes)
+
+    async def models(request):
+        engine.metrics.request("/v1/models", 200)
+        return JSONResponse({"object": "list", "data": [
+            {"id": engine.settings.model_name, "object": "model", "created": 0, "owned_by": "structkv"}]})
+
+    async def health(request):
+        return JSONResponse({"status": "ok", "queued": engine.queued()})
+
+    async def metrics(request):
+        cache = engine.cache
+        gauges = {"context_cache_bytes": ("bytes held by cached compressed contexts", cache.nbytes),
+                  "context_cache_entries": ("compressed contexts cached", len(cache)),
+                  "context_cache_evictions": ("contexts dropped to stay under --cache-bytes", cache.evictions),
+                  "queue_depth": ("requests waiting or running", engine.queued())}
+        return PlainTextResponse(engine.metrics.text(gauges), media_type="text/plain; version=0.0.4")
+
+    async def shutdown():
+        await run_in_threadpool(engine.close)
+
+    routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"])]
+    app = Starlette(routes=routes, lifespan=_lifespan(shutdown),
+                    exception_handlers={404: _not_found, 405: _not_allowed, 500: _internal})
+    app.state.engine = engine
+    return app
+
+
+def _lifespan(shutdown):
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await shutdown()  # after uvicorn has let running requests finish
+
+    return lifespan
+
+
+async def _answer(engine: Engine, request: HTTPRequest, kind: str, endpoint: str, limit: int) -> Response:
+    t0 = time.perf_counter()
+    try:
+        req = parse(await _json(request, limit), kind)
+        job = await run_in_threadpool(engine.prepare, req, asyncio.get_running_loop())
+        engine.submit(job)
+    except APIError as e:
+        engine.metrics.request(endpoint, e.status)
+        return _error(e)
+    if req.stream:
+        engine.metrics.request(endpoint, 200)
+        return StreamingResponse(_events(engine, job, t0), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    kind_, payload = await _result(job, request)
+    if kind_ == "done":
+        engine.metrics.request(endpoint, 200)
+        engine.metrics.observe("request_seconds", time.perf_counter() - t0)
+        return JSONResponse(response(req, payload["text"], payload["finish_reason"], payload["usage"],
+                                     payload["stats"]))
+    error = payload if kind_ == "error" else APIError(499, "the client went away", code="cancelled")
+    engine.metrics.request(endpoint, error.status)
+    return _error(error)
+
+
+async def _json(request: HTTPRequest, limit: int):
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body ({int(declared)} bytes) is over this server's limit of {limit} bytes "
+                       "(structkv serve --max-request-bytes)", code="request_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise APIError(413, f"the request body is over this server's limit of {limit} bytes "
+                           "(structkv serve --max-request-bytes)", code="request_too_large")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+async def _result(job, request: HTTPRequest):
+    """The job's last event ("done", "error" or "cancelled"), cancelling it if the client leaves."""
+    while True:
+        try:
+            kind, payload = await asyncio.wait_for(job.events.get(), POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                job.cancel()
+                return "cancelled", None
+            continue
+        if kind != "delta":
+            return kind, payload
+
+
+async def _events(engine: Engine, job, t0: float):
+    req = job.req
+    try:
+        if req.kind == "chat":
+            yield _sse(chunk(req, role=True))
+        while True:
+            kind, payload = await job.events.get()
+            if kind == "delta":
+                yield _sse(chunk(req, payload))
+                continue
+            if kind == "done":
+                yield _sse(chunk(req, None, payload["finish_reason"], stats=payload["stats"]))
+                if req.include_usage:
+                    yield _sse(chunk(req, usage_=payload["usage"], choices=False))
+                engine.metrics.observe("request_seconds", time.perf_counter() - t0)
+            elif kind == "error":
+                yield _sse(payload.body())
+            yield "data: [DONE]\n\n"
+            return
+    finally:
+        job.cancel()  # no-op once done; frees the model when the client went away mid-stream
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _not_found(request, exc):
+    return _error(APIError(404, f"no route {request.url.path}; this server has /v1/chat/completions, "
+                           "/v1/completions, /v1/models, /health, /metrics", code="not_found"))
+
+
+async def _not_allowed(request, exc):
+    return _error(APIError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed"))
+
+
+async def _internal(request, exc):
+    return _error(APIError(500, "internal error; the server logged it and keeps serving", type="server_error",
+                           code="internal_error"))

@@ -1,0 +1,271 @@
+"""The model behind the server: requests become jobs, one worker thread runs them one at a time.
+
+Why one at a time: the compressed prefill is per prompt (each method keeps different entries), and
+on the machines this targets one generation already uses every core; a batched decode across
+requests (`generate_states` stacks caches) would help throughput on a GPU and is left for later.
+Requests wait in a bounded queue; when it is full the server answers 503 with Retry-After instead
+of piling up work. A job cancelled (its client went away) before it starts is skipped; a running
+one stops at the next token (the `stream` callback returns True), which frees the model.
+
+A request's tokens are split in two: a context that is compressed once and kept in the
+`ContextCache` (an explicit `context` field, or the conversation before the last user turn when
+it is long enough), and the rest, appended uncompressed to a copy of the cached state. Without a
+context the whole prompt is compressed with the method, question included (query-aware).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .. import chat
+from ..compress import prefill
+from ..generation import generate
+from ..methods import budget_options, get, names
+from .context_cache import ContextCache, context_key
+from .metrics import Metrics
+from .protocol import APIError, Request, bad, usage
+from .text import StopText
+
+log = logging.getLogger("structkv.serve")
+SEPARATOR = "\n\n"  # between an explicit context and the first user message's own content
+
+
+@dataclass
+class Settings:
+    """What `structkv serve` was started with (see its --help)."""
+
+    model_name: str
+    method: str = "structkv"
+    kv_budget: float | None = None
+    struct_budget: float | None = None
+    cache_bytes: int = 1 << 30
+    max_queue: int = 16
+    max_tokens: int = 1024  # per request, new tokens
+    default_max_tokens: int = 256  # chat requests without max_tokens
+    room: int = 512  # free slots kept after a cached context for a question and its answer
+    min_context_tokens: int = 256  # a conversation's history shorter than this is not cached
+    compile: object = "auto"
+
+
+@dataclass
+class Job:
+    req: Request
+    method: object  # a structkv Method
+    method_key: tuple
+    prefix: list[int] | None  # context tokens compressed once and cached; None: compress everything
+    rest: list[int]
+    max_new: int
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.perf_counter)
+
+    def emit(self, kind: str, payload=None) -> None:
+        """From the worker thread: hand an event to the request's coroutine."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prefix or ()) + len(self.rest)
+
+
+class Engine:
+    def __init__(self, model, settings: Settings, metrics: Metrics | None = None):
+        if model.tokenizer is None:
+            raise ValueError("structkv serve needs a model with a tokenizer")
+        self.model, self.settings = model, settings
+        self.metrics = metrics or Metrics()
+        self.cache = ContextCache(settings.cache_bytes)
+        try:  # a bad default fails at start-up, not at the first request
+            self.method_for(Request(kind="chat", model=settings.model_name))
+        except APIError as e:
+            raise ValueError(f"--method/--kv-budget: {e.message}") from None
+        self._queue: queue.Queue = queue.Queue(maxsize=settings.max_queue)
+        self._busy = threading.Event()
+        self._thread = threading.Thread(target=self._work, name="structkv-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ event loop side
+    def method_for(self, req: Request):
+        """The request's method with its budgets (the server's defaults where it gives none)."""
+        name = req.method or self.settings.method
+        if name not in names():
+            raise bad("method", f"unknown method {name!r}; this server has: {', '.join(names())}",
+                      code="unknown_method")
+        kv = req.kv_budget if req.kv_budget is not None else self.settings.kv_budget
+        struct = req.struct_budget if req.struct_budget is not None else self.settings.struct_budget
+        options = {k: v for k, v in budget_options(name, kv, struct).items() if v is not None}
+        try:
+            method = get(name, **options)
+        except (ValueError, TypeError) as e:
+            raise bad("kv_budget", f"bad budget for {name}: {e}") from None
+        return method, (name, *sorted(options.items()))
+
+    def prepare(self, req: Request, loop) -> Job:
+        """Check and tokenize a request (in a thread of the server's pool: long documents take a while)."""
+        if req.model != self.settings.model_name:
+            raise APIError(404, f"model {req.model!r} is not served here; this server has {self.settings.model_name!r}"
+                           " (GET /v1/models)", param="model", code="model_not_found")
+        method, key = self.method_for(req)
+        max_new = req.max_tokens or min(self.settings.default_max_tokens, self.settings.max_tokens)
+        if max_new > self.settings.max_tokens:
+            raise bad("max_tokens", f"max_tokens {max_new} is over this server's limit of {self.settings.max_tokens} "
+                      "new tokens per request (structkv serve --max-tokens)")
+        prefix, rest = self._split(req)
+        limit = self.model.config.max_position_embeddings
+        total = len(prefix or ()) + len(rest)
+        if total + max_new - 1 > limit:
+            raise APIError(400, f"this request has {total} prompt tokens and asks for {max_new} new ones, over the "
+                           f"model's {limit} positions; shorten the context or ask for fewer tokens",
+                           param="messages" if req.kind == "chat" else "prompt", code="context_length_exceeded")
+        return Job(req, method, key, prefix, rest, max_new, loop)
+
+    def submit(self, job: Job) -> None:
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise APIError(503, f"the server is busy ({self.settings.max_queue} requests waiting); retry shortly",
+                           type="server_error", code="queue_full", headers={"Retry-After": "1"}) from None
+
+    def _split(self, req: Request) -> tuple[list[int] | None, list[int]]:
+        tok = self.model.tokenizer
+        try:
+            if req.kind == "completion":
+                if req.context is None:
+                    return None, tok.encode(req.prompt)
+                return tok.encode(req.context), tok.encode(req.prompt, add_bos=False)
+            if req.context is not None:
+                return _split_at_context(tok, req.messages, req.context)
+            return self._split_history(tok, req.messages)
+        except ValueError as e:  # the chat template refused the conversation, or there is none
+            raise bad("messages", str(e), code="invalid_messages") from None
+
+    def _split_history(self, tok, messages):
+        """The conversation before the last user turn as the cached context, when it is long enough
+        and the template renders it the same way once the new turn follows."""
+        last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        history = messages[:last]
+        if history:
+            prefix = chat.encode(tok, history, add_generation_prompt=False)
+            if len(prefix) >= self.settings.min_context_tokens:
+                try:
+                    return prefix, chat.continuation(tok, history, messages[last:])
+                except ValueError:
+                    pass  # this template rewrites earlier turns: compress the whole conversation
+        return None, chat.encode(tok, messages)
+
+    def queued(self) -> int:
+        return self._queue.qsize() + int(self._busy.is_set())
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish what is queued and running, then stop the worker."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ worker thread
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            self._busy.set()
+            try:
+                self._execute(job)
+            finally:
+                self._busy.clear()
+
+    def _execute(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            self.metrics.add("cancelled")
+            job.emit("cancelled")
+            return
+        try:
+            job.emit("done", self._generate(job))
+        except ValueError as e:  # a limit only the model could check (e.g. cache room)
+            job.emit("error", APIError(400, str(e), code="invalid_request"))
+        except Exception as e:  # noqa: BLE001 - the server must keep serving; the log has the traceback
+            log.exception("request %s failed", job.req.id)
+            job.emit("error", APIError(500, f"internal error ({type(e).__name__}); the server logged it and keeps "
+                                       "serving", type="server_error", code="internal_error"))
+
+    def _generate(self, job: Job) -> dict:
+        started = time.perf_counter()
+        req, text, first = job.req, StopText(self.model.tokenizer, job.req.stop), []
+
+        def on_token(tokens):
+            if tokens[0] is not None:
+                if not first:
+                    first.append(time.perf_counter())
+                delta = text.push(tokens[0])
+                if delta:
+                    job.emit("delta", delta)
+            return job.cancelled.is_set() or text.stopped
+
+        sampling = dict(max_new_tokens=job.max_new, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                        compile=self.settings.compile, stream=on_token)
+        compress_s, status, state = 0.0, "off", None
+        if job.prefix is not None:
+            need = len(job.rest) + job.max_new
+            key = context_key(job.method_key, job.prefix)
+            state = self.cache.get(key, room=need)
+            status = "hit" if state is not None else "miss"
+            if state is None:
+                t = time.perf_counter()
+                state = prefill(self.model, job.prefix, job.method, room=max(self.settings.room, need))
+                compress_s = time.perf_counter() - t
+                self.cache.put(key, state)
+            out = generate(self.model, job.rest, state=state, **sampling)
+        else:
+            out = generate(self.model, job.rest, method=job.method, **sampling)
+        tail = text.finish()
+        if tail:
+            job.emit("delta", tail)
+        if job.cancelled.is_set():
+            self.metrics.add("cancelled")
+        done = time.perf_counter()
+        steps, kept = out.stats["new_tokens"], len(out.token_ids)
+        finish = "stop" if text.stopped or kept < steps or steps < job.max_new else "length"
+        prefill_s = compress_s + out.stats["prefill_s"]
+        ps = state.stats if state is not None else out.prefill
+        stats = {"method": job.method_key[0], "options": dict(job.method_key[1:]), "context_cache": status,
+                 "context_tokens": len(job.prefix or ()), "queue_s": started - job.arrived, "prefill_s": prefill_s,
+                 "time_to_first_token_s": (first[0] if first else done) - job.arrived,
+                 "decode_s": out.stats["decode_s"], "prefill_fraction": ps.prefill_fraction if ps else 1.0,
+                 "pivot_layer": ps.pivot_layer if ps else None, "kv_bytes_kept": out.stats["kv_bytes_kept"],
+                 "kv_bytes_allocated": out.stats["kv_cache_bytes"]}
+        self._account(job, stats, kept, status)
+        return {"text": text.text, "finish_reason": finish, "stats": stats,
+                "usage": usage(job.prompt_tokens, kept, len(job.prefix) if status == "hit" else 0)}
+
+    def _account(self, job: Job, stats: dict, completion_tokens: int, status: str) -> None:
+        m = self.metrics
+        m.add("prompt_tokens", job.prompt_tokens)
+        m.add("completion_tokens", completion_tokens)
+        if status != "off":
+            m.add(f"context_cache_{'hits' if status == 'hit' else 'misses'}")
+        m.observe("queue_seconds", stats["queue_s"])
+        m.observe("prefill_seconds", stats["prefill_s"])
+        m.observe("time_to_first_token_seconds", stats["time_to_first_token_s"])
+
+
+def _split_at_context(tok, messages, context):
+    """Tokens up to the end of `context`, placed at the start of the first user turn, and the rest.
+
+    The conversation is rendered once with a marker after the context; the text before the marker
+    is the cached part, so the same document under the same system prompt gives the same tokens."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    marked = [dict(m) for m in messages]
+    marked[first]["content"] = context + chat.SENTINEL + SEPARATOR + marked[first]["content"]
+    text = chat.render(tok, marked)
+    if text.count(chat.SENTINEL) != 1:
+        raise ValueError("this model's chat template does not place the user's content once, so a context cannot be "
+                         "cached; put the document in a message instead")
+    before, after = text.split(chat.SENTINEL)
+    return tok.encode(before, add_bos=False), tok.encode(after, add_bos=False)

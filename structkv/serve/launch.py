@@ -1,0 +1,46 @@
+"""Run the server: in the foreground (`structkv serve`) or on a loopback thread (tests, the load test)."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+
+def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
+    import uvicorn
+
+    # Graceful shutdown: on SIGINT/SIGTERM uvicorn stops accepting, lets running requests finish
+    # (up to the timeout), then the app's lifespan closes the engine.
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=120,
+                          lifespan="on")
+
+
+class Background:
+    """A server on 127.0.0.1 in a daemon thread, on a free port; `url`, `stop()`; a context manager."""
+
+    def __init__(self, app, *, log_level: str = "warning", start_timeout: float = 30.0):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn_config(app, log_level=log_level))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + start_timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

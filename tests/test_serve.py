@@ -1,0 +1,280 @@
+"""`structkv serve` over loopback with the official `openai` client: answers equal the library's
+own, the compressed-context cache, concurrency, every bad request, queue limits, disconnects.
+
+Servers listen on 127.0.0.1 on a free port in a daemon thread and stop at the end of each test or
+module; every client call has a timeout, so nothing here can hang the suite.
+"""
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+import structkv
+from structkv import chat, methods
+from structkv.serve import build
+from structkv.serve.engine import Settings
+from structkv.serve.launch import Background
+
+openai = pytest.importorskip("openai")
+
+NAME = "tiny-chat"
+DOC = " ".join(f"Fact {i}: the {w} key opens door {i * 7 % 13}." for i, w in
+               enumerate(["red", "blue", "green", "amber", "violet", "grey", "white", "black", "gold", "silver"] * 3))
+QUESTIONS = ["Which key opens door 5?", "What is fact 12?", "Name a colour."]
+
+
+def settings(**kw):
+    base = dict(model_name=NAME, method="snapkv", kv_budget=0.3, compile=False, max_tokens=64, default_max_tokens=8,
+                room=64, min_context_tokens=32, max_queue=8)
+    return Settings(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def server(chat_model):
+    with Background(build(chat_model, settings())) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def alone(model, messages, max_new=8, **kw):
+    """What the library answers for the same request, without the server."""
+    method = methods.get("snapkv", kv_budget=0.3)
+    return structkv.generate(model, messages=messages, method=method, max_new_tokens=max_new, temperature=0,
+                             compile=False, **kw).text
+
+
+def from_context(model, context, question, max_new=8):
+    """The library's compress-once answer: the context cached, the question appended uncompressed."""
+    from structkv.serve.engine import _split_at_context
+
+    prefix, rest = _split_at_context(model.tokenizer, [{"role": "user", "content": question}], context)
+    state = structkv.prefill(model, prefix, methods.get("snapkv", kv_budget=0.3), room=64)
+    return structkv.generate(model, rest, state=state, max_new_tokens=max_new, temperature=0, compile=False).text
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    assert "# TYPE structkv_request_seconds histogram" in text and "structkv_context_cache_bytes" in text
+
+
+def test_chat_answers_as_the_library_does(chat_model, client):
+    messages = [{"role": "user", "content": "Say something about keys."}]
+    out = client.chat.completions.create(model=NAME, messages=messages, temperature=0, max_tokens=8)
+    assert out.choices[0].message.content == alone(chat_model, messages)
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert out.usage.prompt_tokens == len(chat.encode(chat_model.tokenizer, messages))
+    extra = out.model_extra["structkv"]
+    assert extra["method"] == "snapkv" and extra["context_cache"] == "off" and extra["kv_bytes_kept"] > 0
+
+
+def test_streaming_chat_equals_the_whole_answer(chat_model, client):
+    messages = [{"role": "user", "content": "Tell me about door 3."}]
+    pieces, finish, usage = [], None, None
+    for part in client.chat.completions.create(model=NAME, messages=messages, temperature=0, max_tokens=8,
+                                               stream=True, stream_options={"include_usage": True}):
+        if part.choices:
+            pieces.append(part.choices[0].delta.content or "")
+            finish = part.choices[0].finish_reason or finish
+        if part.usage is not None:
+            usage = part.usage
+    assert "".join(pieces) == alone(chat_model, messages)
+    assert finish in ("stop", "length") and usage.completion_tokens > 0
+
+
+def test_completions_plain_and_streamed(chat_model, client):
+    want = structkv.generate(chat_model, "The door", method=methods.get("snapkv", kv_budget=0.3), max_new_tokens=6,
+                             temperature=0, compile=False).text
+    assert client.completions.create(model=NAME, prompt="The door", max_tokens=6, temperature=0).choices[0].text == want
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=NAME, prompt="The door", max_tokens=6, temperature=0, stream=True) if c.choices)
+    assert streamed == want
+
+
+def test_second_question_about_a_document_is_a_cache_hit(chat_model, client):
+    """The document is compressed once; the second question reuses it and prefills only itself."""
+    doc = DOC + " (copy for the cache test)"
+    answers = []
+    for q in QUESTIONS[:2]:
+        out = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": q}], temperature=0,
+                                             max_tokens=8, extra_body={"context": doc})
+        answers.append(out)
+    first, second = (a.model_extra["structkv"] for a in answers)
+    assert (first["context_cache"], second["context_cache"]) == ("miss", "hit")
+    assert first["context_tokens"] == second["context_tokens"] > 500
+    assert second["prefill_s"] < first["prefill_s"] / 3  # a question of ~10 tokens vs the whole document
+    assert answers[1].usage.prompt_tokens_details.cached_tokens == second["context_tokens"]
+    for q, out in zip(QUESTIONS[:2], answers):
+        assert out.choices[0].message.content == from_context(chat_model, doc, q)
+
+
+def test_history_before_the_last_user_turn_is_cached(client):
+    """Without a context field, a long conversation before the last user turn is the cached part."""
+    history = [{"role": "user", "content": DOC}, {"role": "assistant", "content": "Noted."}]
+    status = [client.chat.completions.create(model=NAME, messages=[*history, {"role": "user", "content": q}],
+                                             max_tokens=4, temperature=0).model_extra["structkv"]["context_cache"]
+              for q in QUESTIONS[:2]]
+    assert status == ["miss", "hit"]
+
+
+def test_method_and_budget_per_request(client):
+    out = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": DOC}], max_tokens=4,
+                                         temperature=0, extra_body={"method": "fastkv", "kv_budget": 0.2})
+    extra = out.model_extra["structkv"]
+    assert extra["method"] == "fastkv" and extra["options"]["kv_budget"] == 0.2 and extra["prefill_fraction"] < 1
+
+
+def test_concurrent_clients_get_their_own_answers(chat_model, server):
+    prompts = [[{"role": "user", "content": f"Question {i}: {QUESTIONS[i % 3]}"}] for i in range(6)]
+    got = {}
+
+    def ask(i):
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+        got[i] = c.chat.completions.create(model=NAME, messages=prompts[i], temperature=0,
+                                           max_tokens=8).choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert [got.get(i) for i in range(len(prompts))] == [alone(chat_model, p) for p in prompts]
+
+
+def test_sampling_with_a_seed_repeats_and_stop_strings_cut(client):
+    ask = dict(model=NAME, messages=[{"role": "user", "content": "Go."}], max_tokens=12, temperature=1.0,
+               top_p=0.9, seed=7)
+    a, b = (client.chat.completions.create(**ask).choices[0].message.content for _ in range(2))
+    assert a == b
+    if len(a) > 2:
+        stop = a[1:3]
+        cut = client.chat.completions.create(**ask, stop=[stop]).choices[0]
+        assert cut.message.content == a[:a.index(stop)] and cut.finish_reason == "stop"
+
+
+def post(server, path, body, timeout=30):
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(server.url + path, content=data, headers={"content-type": "application/json"}, timeout=timeout)
+
+
+BAD = [
+    ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model_not_found"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "method": "magic"}, 400, "unknown_method"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "kv_budget": -1}, 400, "invalid_value"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "kv_budget": "big"}, 400, "invalid_value"),
+    ({"model": NAME, "messages": "hello"}, 400, "invalid_value"),
+    ({"model": NAME, "messages": [{"content": "no role"}]}, 400, "invalid_value"),
+    ({"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_value"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, 400, "invalid_value"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "unsupported_value"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x" * 3000}]}, 400, "context_length_exceeded"),
+    ({"messages": [{"role": "user", "content": "x"}]}, 400, "missing_required_parameter"),
+    ([1, 2], 400, "invalid_json"),
+]
+
+
+@pytest.mark.parametrize("body,status,code", BAD, ids=[c for _, _, c in BAD])
+def test_bad_requests_get_openai_errors(server, body, status, code):
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and err["message"] and "Traceback" not in r.text
+
+
+def test_malformed_json_oversized_bodies_and_unknown_routes(server, client):
+    r = post(server, "/v1/chat/completions", b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = post(server, "/v1/chat/completions", b"x" * (17 << 20))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.get(server.url + "/v1/nothing", timeout=10)
+    assert r.status_code == 404 and "error" in r.json()
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+    # and it keeps serving
+    assert client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=2).choices[0].message.content is not None
+
+
+class Gate:
+    """Slows every generated token of a server's engine so that requests overlap for sure."""
+
+    def __init__(self, monkeypatch, delay):
+        import structkv.serve.engine as engine
+
+        real = engine.generate
+
+        def slow(*a, stream, **kw):
+            def wrapped(tokens):
+                time.sleep(delay)
+                return stream(tokens)
+            return real(*a, stream=wrapped, **kw)
+
+        monkeypatch.setattr(engine, "generate", slow)
+
+
+def test_full_queue_answers_503_with_retry_after(chat_model, monkeypatch):
+    Gate(monkeypatch, 0.05)
+    body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 40}
+    with Background(build(chat_model, settings(max_queue=1))) as srv:
+        codes = []
+        threads = [threading.Thread(target=lambda: codes.append(post(srv, "/v1/chat/completions", body).status_code))
+                   for _ in range(2)]
+        threads[0].start()
+        time.sleep(0.5)  # the first is running
+        threads[1].start()
+        time.sleep(0.3)  # the second waits in the queue of one
+        r = post(srv, "/v1/chat/completions", body)
+        for t in threads:
+            t.join(60)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+        assert sorted(codes) == [200, 200]
+
+
+def test_disconnect_mid_stream_frees_the_model(chat_model, monkeypatch):
+    Gate(monkeypatch, 0.05)
+    body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 60, "stream": True}
+    with Background(build(chat_model, settings())) as srv:
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # the role chunk: it is running
+        t0 = time.perf_counter()  # 60 tokens would take 3 s; the next request must not wait for them
+        out = post(srv, "/v1/chat/completions", {**body, "stream": False, "max_tokens": 2}).json()
+        assert out["structkv"]["queue_s"] < 1.0 and time.perf_counter() - t0 < 2.5
+        with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up is noticed too
+            post(srv, "/v1/chat/completions", {**body, "stream": False}, timeout=0.5)
+        t0 = time.perf_counter()
+        out = post(srv, "/v1/chat/completions", {**body, "stream": False, "max_tokens": 2}).json()
+        assert out["structkv"]["queue_s"] < 1.0 and time.perf_counter() - t0 < 2.5
+        metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+        assert "structkv_cancelled_total 2" in metrics
+
+
+def test_cache_is_bounded_in_bytes(chat_model):
+    from structkv.serve.context_cache import ContextCache, context_key, state_bytes
+
+    states = [structkv.prefill(chat_model, DOC[: 400 + 100 * i], "snapkv", room=16) for i in range(3)]
+    sizes = [state_bytes(s) for s in states]
+    cache = ContextCache(max_bytes=sizes[1] + sizes[2])
+    for i, s in enumerate(states):
+        assert cache.put(context_key(("snapkv",), [i]), s)
+    assert cache.nbytes <= cache.max_bytes and len(cache) == 2 and cache.evictions == 1
+    assert cache.get(context_key(("snapkv",), [0])) is None  # the least recently used went first
+    assert not ContextCache(max_bytes=sizes[0] - 1).put(("k",), states[0])  # too big alone: not kept
+
+
+def test_cli_refuses_bad_settings_before_serving(chat_model, capsys):
+    from structkv.cli import main
+    from structkv.serve.engine import Engine
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--cache-bytes", "lots"])
+    assert "512MiB" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown method 'magic'"):
+        Engine(chat_model, settings(method="magic"))
