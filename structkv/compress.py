@@ -59,13 +59,14 @@ class Stream:
     positions: torch.Tensor
     columns: torch.Tensor
     rope: dict
+    tp: object = None  # the model's TensorParallel group, if it is one rank's shard
 
     @classmethod
     def start(cls, model, tokens: torch.Tensor, positions: torch.Tensor) -> "Stream":
         B, S = tokens.shape
         pos = positions.clone()  # an inference tensor like every later one: no recompile after propagation
         cols = torch.arange(S, device=tokens.device).expand(B, S)
-        return cls(model.embed(tokens), pos, cols, model.rope_tables(pos))
+        return cls(model.embed(tokens), pos, cols, model.rope_tables(pos), getattr(model, "tp", None))
 
     def run_layer(self, model, i: int, block) -> tuple:
         """Layer `i` on the current tokens (in place); returns its (q, k, v)."""
@@ -74,7 +75,7 @@ class Stream:
         return q, k, v
 
     def view(self, i: int, qkv: tuple, scale: float, timer: Timer) -> LayerView:
-        return LayerView(i, *qkv, self.positions, self.columns, scale, timer=timer)
+        return LayerView(i, *qkv, self.positions, self.columns, scale, timer=timer, tp=self.tp)
 
     def kept_columns(self) -> torch.Tensor:
         """(B, n) prompt columns of the current tokens, -1 on padding."""
@@ -83,7 +84,7 @@ class Stream:
     def gather(self, model, pruner, indices: torch.Tensor) -> "Stream":
         """The kept tokens (B, K) as a new stream, original positions kept."""
         h, cols, pos = pruner.gather(indices, self.h, self.columns, positions=self.positions)
-        return Stream(h, pos, cols, model.rope_tables(pos))
+        return Stream(h, pos, cols, model.rope_tables(pos), self.tp)
 
 
 def plan_method(model, method: Method, lengths, num_tokens: int, room: int):
@@ -200,7 +201,16 @@ def prefill_stats(model, method, lengths, processed, cache, prop, prefill_s: flo
         scoring_s=totals["scoring"] if totals else None,
         selection_s=totals["selection"] + totals["propagation"] if totals else None,
         cache_fill_s=totals["cache_fill"] if totals else None,
-        **(prop.stats() if prop is not None else {}))
+        **_tp_stats(model, kept), **(prop.stats() if prop is not None else {}))
+
+
+def _tp_stats(model, kept: list[int]) -> dict:
+    """Under tensor parallelism: the ranks and the kept bytes of all of them (one all-reduce)."""
+    tp = getattr(model, "tp", None)
+    if tp is None:
+        return {}
+    total = tp.all_reduce(torch.tensor([sum(kept)], dtype=torch.float64, device=model.device))
+    return {"tp_ranks": tp.world, "kv_bytes_all_ranks": int(total.item())}
 
 
 def layer_block(compile, cfg):

@@ -28,6 +28,8 @@ class PrefillStats:
     t_curve: dict | list | None = None  # StructKV's pivot statistic per layer (per row when B > 1)
     centrality_layers: list[int] | None = None  # layers summed into StructKV's centrality
     shared_prefill: dict | None = None  # methods, lanes, pass_s, untimed_s of a shared prefill
+    tp_ranks: int | None = None  # tensor parallelism: ranks; the kv_* fields above are this rank's
+    kv_bytes_all_ranks: int | None = None  # kept bytes summed over every rank
 
     @property
     def kv_bytes(self) -> int:

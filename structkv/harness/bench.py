@@ -46,6 +46,7 @@ class BenchConfig:
     compile: bool = True
     seed: int = 0
     int8_head: bool = False  # decode from the exact int8 copy of the LM head (GGUF Q8_0 heads)
+    tp: int | None = None  # tensor-parallel degree, under torchrun (each rank reports its own KV bytes)
 
     def validate(self):
         valid = methods_registry.names()
@@ -58,6 +59,8 @@ class BenchConfig:
             raise ValueError("new_tokens must be >= 2 to measure decoding")
         if not 0 < self.kv_budget <= 1 or not 0 < self.struct_budget <= 1:
             raise ValueError("kv_budget and struct_budget are ratios in (0, 1]")
+        if self.tp not in (None, 1) and self.hf:
+            raise ValueError("--tp runs only structkv's decoder: add --no-hf (transformers is not sharded here)")
 
 
 def _release_freed_memory() -> None:
@@ -295,7 +298,7 @@ def run(cfg: BenchConfig, out: str | Path | None = None, model=None, progress=Tr
     from ..models import load
 
     cfg.validate()
-    model = model if model is not None else load(cfg.model, dtype=cfg.dtype, device=cfg.device)
+    model = model if model is not None else load(cfg.model, dtype=cfg.dtype, device=cfg.device, tp=cfg.tp)
     limit = model.config.max_position_embeddings
     for n in cfg.lengths:
         if n + cfg.new_tokens > limit:

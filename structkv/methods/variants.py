@@ -62,7 +62,8 @@ class WindowScored(Method):
             per_query = view.window_scores_per_query_head(w)  # (B, Hq, n)
             B, Hq, n = per_query.shape
             pooled = pooled_saliency(per_query, self.window, self.kernel, self.pooling)
-            scores = pooled.view(B, view.k.shape[1], Hq // view.k.shape[1], n).sum(2)  # (B, Hkv, n)
+            Hkv = view.num_kv_heads
+            scores = pooled.view(B, Hkv, Hq // Hkv, n).sum(2)  # (B, Hkv, n)
         else:
             saliency, _ = view.window_scores(w)
             scores = pooled_saliency(saliency, self.window, self.kernel, self.pooling)  # (B, Hkv, n)

@@ -192,6 +192,8 @@ class Decoder(nn.Module):
             self.register_buffer(f"inv_freq_{t}", torch.empty(cfg.head_dim // 2), persistent=False)
         self.tokenizer = None  # set by structkv.models.load
         self.int8_head = None  # set by use_int8_head()
+        self.tp = None  # a structkv.distributed.TensorParallel when this is one rank's shard
+        self.full_config = cfg  # the whole model's config (`config` holds a shard's local heads)
 
     # ------------------------------------------------------------------ setup
     def init_buffers(self, device: torch.device | str | None = None) -> None:

@@ -73,10 +73,18 @@ def check_finite(state_dict: dict[str, torch.Tensor], source: str, chunk: int = 
 
 
 def build(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
-          device: torch.device, source: str) -> Decoder:
-    """Meta-device construction + strict, shape-checked `assign` load."""
+          device: torch.device, source: str, tp=None) -> Decoder:
+    """Meta-device construction + strict, shape-checked `assign` load. With `tp` (a
+    `structkv.distributed.TensorParallel`), `state_dict` holds this rank's shards and the model is
+    this rank's part (`model.config` its local heads, `model.full_config` the whole model)."""
     with torch.device("meta"):
-        model = Decoder(cfg)
+        if tp is None:
+            model = Decoder(cfg)
+        else:
+            from ..distributed import local_config, shard_model
+
+            model = Decoder(local_config(cfg, tp.world))
+            shard_model(model, tp)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight")
@@ -99,12 +107,13 @@ def build(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *, dtype: torch
     state_dict = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
     model.load_state_dict(state_dict, strict=False, assign=True)
     model.init_buffers(device)
+    model.full_config = cfg
     return model.eval().requires_grad_(False)
 
 
-def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+def _read_safetensors(folder: Path, tp=None) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files; with `tp`, only this rank's slices are read."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     index = folder / "model.safetensors.index.json"
     if index.exists():
@@ -119,13 +128,25 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         if not path.exists():
             raise FileNotFoundError(f"weight shard {name} listed in {index.name} is missing from {folder}")
         try:
-            sd.update(load_file(str(path)))
+            sd.update(_read_file(path, tp))
         except (SafetensorError, OSError, ValueError) as e:
             raise ValueError(f"weight file {path} is corrupted or truncated ({e}); re-download it") from e
     return sd
 
 
-def load_folder(folder: Path, *, dtype=None, device="cpu", check_weights: bool = True) -> Decoder:
+def _read_file(path: Path, tp=None) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if tp is None:
+        return load_file(str(path))
+    from ..distributed.sharding import read_shard
+
+    with safe_open(str(path), "pt") as f:
+        return {name: read_shard(f, name, tp.world, tp.rank) for name in f.keys()}
+
+
+def load_folder(folder: Path, *, dtype=None, device="cpu", check_weights: bool = True, tp=None) -> Decoder:
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
         raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
@@ -140,10 +161,10 @@ def load_folder(folder: Path, *, dtype=None, device="cpu", check_weights: bool =
             eos = tuple(eos) if isinstance(eos, list) else (eos,)
             cfg = _replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + eos)))
     dtype, device = _resolve_dtype(dtype, cfg), _resolve_device(device)
-    state_dict = _read_safetensors(folder)
+    state_dict = _read_safetensors(folder, tp)
     if check_weights:
         check_finite(state_dict, str(folder))
-    model = build(cfg, state_dict, dtype=dtype, device=device, source=str(folder))
+    model = build(cfg, state_dict, dtype=dtype, device=device, source=str(folder), tp=tp)
     tok_path = folder / "tokenizer.json"
     if tok_path.exists():
         model.tokenizer = Tokenizer.from_file(tok_path, bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids,
@@ -169,7 +190,7 @@ def _replace(cfg, **kw):
     return dataclasses.replace(cfg, **kw)
 
 
-def load_gguf(path: Path, *, dtype=None, device="cpu") -> Decoder:
+def load_gguf(path: Path, *, dtype=None, device="cpu", tp=None) -> Decoder:
     """Load a GGUF file. Parsing and dequantizing take ~25 s, so the first load keeps the
     dequantized float32 weights, the config and the rebuilt tokenizer in a cache folder
     (`$STRUCTKV_CACHE`, default ~/.cache/structkv) and later loads memory-map them."""
@@ -183,11 +204,10 @@ def load_gguf(path: Path, *, dtype=None, device="cpu") -> Decoder:
         except PermissionError as e:
             raise PermissionError(f"cannot write the model cache {cached.parent} ({e.strerror}); "
                                   "set STRUCTKV_CACHE to a writable folder") from None
-    from safetensors.torch import load_file
-
     cfg = ModelConfig.from_dict(json.loads((cached / "structkv_config.json").read_text()))
     dtype, device = _resolve_dtype(dtype, cfg), _resolve_device(device)
-    model = build(cfg, load_file(str(cached / "model.safetensors")), dtype=dtype, device=device, source=str(path))
+    model = build(cfg, _read_file(cached / "model.safetensors", tp), dtype=dtype, device=device, source=str(path),
+                  tp=tp)
     meta = json.loads((cached / "tokenizer_meta.json").read_text())
     model.tokenizer = Tokenizer.from_file(cached / "tokenizer.json", **meta)
     return model
@@ -253,7 +273,8 @@ def _download(repo_id: str) -> Path:
     return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
 
 
-def load(name_or_path: str | os.PathLike, *, dtype=None, device="cpu", check_weights: bool = True) -> Decoder:
+def load(name_or_path: str | os.PathLike, *, dtype=None, device="cpu", check_weights: bool = True,
+         tp: int | None = None) -> Decoder:
     """Load a decoder with `.config` and `.tokenizer`.
 
     `name_or_path`: a local HF folder, a `.gguf` file, the alias `gemma-3-270m`, a Hub id such
@@ -261,30 +282,41 @@ def load(name_or_path: str | os.PathLike, *, dtype=None, device="cpu", check_wei
     see `structkv.models.shapes.SHAPES`). `dtype` None keeps the checkpoint's (float32 for GGUF).
     `check_weights`: refuse weights holding NaN or inf (one read of every tensor; GGUF files are
     checked once, when first converted); False skips it for large trusted checkpoints.
+    `tp`: tensor-parallel degree, in a process of `torchrun --nproc-per-node tp` (docs/distributed.md):
+    this rank's shard of the weights (GGUF: sliced from the converted cache), heads split in whole
+    GQA groups; None or 1: the whole model.
     """
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"load takes a model name or path (str), got {type(name_or_path).__name__}")
+    if tp is not None and tp != 1:
+        from ..distributed import init
+
+        tp = init(tp)
+        if device == "cpu" and torch.cuda.is_available() and torch.distributed.get_backend() == "nccl":
+            device = f"cuda:{torch.cuda.current_device()}"
+    else:
+        tp = None
     name = str(name_or_path)
     if name.startswith("random:"):  # real architecture, random weights (speed checks)
         from .shapes import random_model
 
         return random_model(name.removeprefix("random:"), dtype=_resolve_dtype(dtype, None) if dtype else torch.float32,
-                            device=_resolve_device(device))
+                            device=_resolve_device(device), tp=tp)
     if name == "gemma-3-270m":
-        return load_gguf(_gemma_270m_path(), dtype=dtype, device=device)
+        return load_gguf(_gemma_270m_path(), dtype=dtype, device=device, tp=tp)
     if name in ("smollm2", "smollm2-135m-instruct"):
-        return load_gguf(fetch(SMOLLM2_GGUF)[0], dtype=dtype, device=device)
+        return load_gguf(fetch(SMOLLM2_GGUF)[0], dtype=dtype, device=device, tp=tp)
     path = Path(name).expanduser()
     if path.is_dir():
-        return load_folder(path, dtype=dtype, device=device, check_weights=check_weights)
+        return load_folder(path, dtype=dtype, device=device, check_weights=check_weights, tp=tp)
     if path.suffix == ".gguf":
         if not path.exists():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
-        return load_gguf(path, dtype=dtype, device=device)
+        return load_gguf(path, dtype=dtype, device=device, tp=tp)
     if path.exists():
         raise ValueError(f"{path} is neither a model folder nor a .gguf file")
     if name.count("/") == 1 and not name.startswith((".", "/", "~")):
-        return load_folder(_download(name), dtype=dtype, device=device, check_weights=check_weights)
+        return load_folder(_download(name), dtype=dtype, device=device, check_weights=check_weights, tp=tp)
     raise FileNotFoundError(
         f"{name!r} is not a local folder, a .gguf file, a Hub id (owner/name) or one of the aliases "
         f"{sorted(ALIASES)}"

@@ -6,6 +6,8 @@ meaningless; latency, memory and KV bytes are those of the real model.
 """
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from .config import ModelConfig
@@ -31,16 +33,25 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def random_model(shape: str, *, dtype=torch.float32, device="cpu", seed: int = 0):
-    """A Decoder with the architecture of `shape` (a key of SHAPES) and seeded random weights."""
+def random_model(shape: str, *, dtype=torch.float32, device="cpu", seed: int = 0, tp=None):
+    """A Decoder with the architecture of `shape` (a key of SHAPES) and seeded random weights
+    (with `tp`: this rank's shard, seeded per rank: for speed, not for comparing outputs)."""
     from .decoder import Decoder
 
     if shape not in SHAPES:
         raise ValueError(f"unknown model shape {shape!r}; valid: {', '.join(SHAPES)}")
     cfg = ModelConfig.from_hf(SHAPES[shape])
     with torch.device("meta"):
-        model = Decoder(cfg)
+        if tp is None:
+            model = Decoder(cfg)
+        else:
+            from ..distributed import local_config, shard_model
+
+            model = Decoder(local_config(cfg, tp.world))
+            shard_model(model, tp)
+            seed = seed * 1000 + tp.rank
     model = model.to_empty(device=device).to(dtype)
+    model.full_config = cfg
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -49,6 +60,11 @@ def random_model(shape: str, *, dtype=torch.float32, device="cpu", seed: int = 0
             elif name.endswith("bias"):
                 p.zero_()
             else:  # chunked so a large embedding does not need a second full-size float32 copy
+                if tp is not None:  # replicated tensors equal on every rank, shards differ
+                    from ..distributed.sharding import shard_slice
+
+                    sharded = shard_slice(name, (tp.world, tp.world), tp.world, tp.rank) is not None
+                    gen.manual_seed(seed + zlib.crc32(name.encode()) + (tp.rank + 1) * 1_000_003 * sharded)
                 flat = p.view(-1)
                 for start in range(0, flat.numel(), 1 << 24):
                     chunk = flat[start:start + (1 << 24)]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from .scores import last_query_logits
 from .selection import pooled_saliency
 from .skeleton import SkeletonPruner
 
@@ -89,6 +88,6 @@ class RestartPropagation(Propagation):
     def after_layer(self, view) -> torch.Tensor | None:
         if view.layer != self.layer:
             return None
-        score = last_query_logits(view.q, view.k, view.valid, self.kernel)
+        score = view.last_query_logits(self.kernel)
         self.pivots = [self.layer] * len(self.keep)
         return self.pruner.select(score, view.valid, self.keep)

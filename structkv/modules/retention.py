@@ -47,7 +47,7 @@ class Retention:
 
     def _store(self, held: "_Held") -> None:
         idx = select_tokens(self._scores(held), held.valid, self.plan[held.layer], self.method.window)
-        idx = idx.expand(-1, held.k.shape[1], -1) if idx.shape[1] == 1 else idx  # (B, Hkv, K)
+        idx = idx.expand(-1, held.k.shape[1], -1) if idx.shape[1] == 1 else idx[:, held.kv_heads]  # (B, Hkv, K)
         with held.timer.phase("cache_fill"):
             self.cache.fill(held.layer, held.k, held.v, held.positions, idx, check=False)
 
@@ -58,6 +58,7 @@ class _Held:
     def __init__(self, view, scores):
         self.layer, self.k, self.v, self.positions = view.layer, view.k, view.v, view.positions
         self.columns, self.scores, self.valid, self.timer = view.columns, scores, view.valid, view.timer
+        self.kv_heads = view.kv_heads  # this rank's heads among the scores' (tensor parallelism)
 
 
 class GuidedRetention(Retention):

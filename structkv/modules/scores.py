@@ -26,12 +26,15 @@ def received_attention(q, k, pos, scale: float, block: int = H2O_QUERY_BLOCK) ->
     return out
 
 
-def last_query_logits(q, k, valid, kernel: int) -> torch.Tensor:
+def last_query_logits(q, k, valid, kernel: int, reduce=None) -> torch.Tensor:
     """GemFilter's score: raw (unscaled, no softmax) last-query logits summed over heads,
-    avg-pooled: (B, n)."""
+    avg-pooled: (B, n). `reduce`: sums the partial sums of the heads held elsewhere (tensor
+    parallelism), before pooling."""
     B, Hq, _, D = q.shape
     Hkv = k.shape[1]
     q_last = q[:, :, -1].reshape(B, Hkv, Hq // Hkv, D).float()  # (B, Hkv, G, D)
     z = torch.einsum("bhgd,bhnd->bn", q_last, k.float())  # (B, n)
+    if reduce is not None:
+        z = reduce(z)
     z = torch.where(valid, z, torch.zeros_like(z))
     return F.avg_pool1d(z[:, None], kernel, stride=1, padding=kernel // 2, count_include_pad=True)[:, 0, : z.shape[1]]

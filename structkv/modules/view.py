@@ -13,7 +13,7 @@ import torch
 
 from ..ops import window_scores
 from ..timing import NO_TIMER, Timer
-from .scores import received_attention
+from .scores import last_query_logits, received_attention
 
 
 @dataclass
@@ -28,6 +28,17 @@ class LayerView:
     memo: dict = field(default_factory=dict)  # key -> (scores, seconds), shared per (tokens, layer)
     timer: Timer = NO_TIMER
     used: set = field(default_factory=set)
+    tp: object = None  # a TensorParallel: q/k/v hold this rank's heads, scores are gathered from all
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads the scores cover (every rank's under tensor parallelism)."""
+        return self.k.shape[1] * (self.tp.world if self.tp is not None else 1)
+
+    @property
+    def kv_heads(self) -> slice:
+        """This rank's KV heads among the scores' heads (all of them without tensor parallelism)."""
+        return self.tp.heads(self.k.shape[1]) if self.tp is not None else slice(None)
 
     @property
     def valid(self) -> torch.Tensor:
@@ -55,13 +66,27 @@ class LayerView:
         """(B, Hkv, n): attention received from every query (H2O)."""
         return self._scores(("received",), lambda: received_attention(self.q, self.k, self.positions, self.scale))
 
+    def last_query_logits(self, kernel: int) -> torch.Tensor:
+        """(B, n): GemFilter's last-query logits summed over every head, avg-pooled."""
+        return self._scores(("last_query", kernel), lambda: last_query_logits(
+            self.q, self.k, self.valid, kernel, reduce=self.tp.all_reduce if self.tp is not None else None))
+
     def _scores(self, key, compute):
         if key not in self.memo:
             with self.timer.phase("scoring") as span:
-                value = compute()
+                value = self._gathered(compute())
             self.memo[key] = (value, span.seconds)
         self.used.add(key)
         return self.memo[key][0]
+
+    def _gathered(self, value):
+        """Per-head scores of this rank's heads -> of every rank's heads (identical on all ranks,
+        so every rank keeps the same tokens); head-summed scores are reduced where computed."""
+        if self.tp is None:
+            return value
+        if isinstance(value, tuple):
+            return tuple(self._gathered(v) for v in value)
+        return self.tp.gather_heads(value) if value.dim() == 3 else value
 
     def seconds(self, keys) -> float:
         """Scoring seconds of `keys` (what a method would have paid alone)."""
