@@ -278,3 +278,16 @@ def test_cli_refuses_bad_settings_before_serving(chat_model, capsys):
     assert "512MiB" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown method 'magic'"):
         Engine(chat_model, settings(method="magic"))
+
+
+def test_shutdown_lets_running_requests_finish(chat_model, monkeypatch):
+    Gate(monkeypatch, 0.05)
+    body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 30}
+    srv = Background(build(chat_model, settings()))
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=post(srv, "/v1/chat/completions", body)))
+    t.start()
+    time.sleep(0.5)  # running: 30 tokens take 1.5 s
+    srv.stop()  # what SIGTERM does: stop accepting, finish what runs, close the engine
+    t.join(30)
+    assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 30

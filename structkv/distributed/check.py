@@ -69,7 +69,7 @@ def _states_differ(label, a, b, tp) -> list[str]:
         if not torch.equal(mine, lb.pos):
             bad.append(f"{label}: layer {i} cache positions differ on rank {tp.rank}")
     diff = (a.logits - b.logits).abs().max().item()
-    if diff > 1e-4:
+    if diff > ATOL:
         bad.append(f"{label}: logits after compression differ by {diff:.2e}")
     if b.stats["kv_bytes_all_ranks"] != a.stats.kv_bytes:
         bad.append(f"{label}: kept bytes over all ranks {b.stats['kv_bytes_all_ranks']} vs {a.stats.kv_bytes}")

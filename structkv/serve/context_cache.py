@@ -14,7 +14,7 @@ from threading import Lock
 
 
 def context_key(method_key: tuple, token_ids: list[int]) -> tuple:
-    """The cache key of a context: the method with its options, and a digest of the token ids."""
+    """The cache key of a context: (model, method, options...) and a digest of the token ids."""
     digest = hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()
     return (*method_key, len(token_ids), digest)
 

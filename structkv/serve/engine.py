@@ -213,7 +213,7 @@ class Engine:
         compress_s, status, state = 0.0, "off", None
         if job.prefix is not None:
             need = len(job.rest) + job.max_new
-            key = context_key(job.method_key, job.prefix)
+            key = context_key((self.settings.model_name, *job.method_key), job.prefix)
             state = self.cache.get(key, room=need)
             status = "hit" if state is not None else "miss"
             if state is None:
