@@ -388,7 +388,8 @@ def scaling(rows: list[dict]) -> dict:
 def markdown(result: dict) -> str:
     cfg = result["config"]
     lines = [f"# structkv bench: {result['model']['name']} ({result['model']['type']}, {result['model']['dtype']}) "
-             f"on {result['device']}",
+             f"on {result['device']}" + (f", tensor parallel {cfg['tp']} ranks: this rank's KV bytes"
+                                          if cfg.get("tp") not in (None, 1) else ""),
              f"R_KV {cfg['kv_budget']}, R_struct {cfg['struct_budget']}, pivot {cfg['pivot']}, {cfg['new_tokens']} new "
              f"tokens, median of {cfg['repeats']} after {cfg['warmup']} warm-up\n",
              "| tokens | method | prefill s (min-max) | speed-up vs full | vs HF | decode tok/s | decode vs full | "
