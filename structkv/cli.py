@@ -359,7 +359,7 @@ def main(argv=None) -> int:
     e.add_argument("--longbench-full", action="store_true", help="LongBench: full task files, not subset/")
     e.add_argument("--chat", action="store_true",
                    help="instruct models: each prompt as one user turn of the model's chat template (ruler, "
-                        "longbench); RULER's answer prefix follows the opened assistant turn")
+                        "longbench, niah); RULER's answer prefix follows the opened assistant turn")
     e.add_argument("--question-after-compression", action="store_true",
                    help="query-agnostic (ruler, longbench): compress the context without the question, then "
                         "append the question (and, with --chat, the end of the turn) uncompressed; default: "

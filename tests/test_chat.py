@@ -123,8 +123,11 @@ def test_eval_chat_wraps_each_prompt(chat_dir, chat_model, tmp_path, capsys):
                                   lengths=[1500], chat=True), chat_model.tokenizer)[0]
     assert lb["input_ids"][: len(head)] == head and lb["input_ids"][-len(tail):] == tail
     assert len(lb["input_ids"]) == 1500
-    with pytest.raises(ValueError, match="--chat supports ruler and longbench"):
-        EvalConfig(benchmark="niah", chat=True).validate()
+    needle = build_samples(EvalConfig(benchmark="niah", model=str(chat_dir), samples=1, depths=[0.5], lengths=[1024],
+                                      chat=True), chat_model.tokenizer)[0]  # the whole needle prompt as a user turn
+    assert needle["input_ids"][: len(head)] == head and needle["input_ids"][-len(tail):] == tail
+    assert len(needle["input_ids"]) <= 1024 - 16 and needle["outputs"][0] in chat_model.tokenizer.decode(
+        needle["input_ids"])
 
 
 def test_eval_question_after_compression(chat_dir, chat_model, byte_model_dir, tmp_path):

@@ -45,7 +45,8 @@ class EvalConfig:
     data_dir: str | None = None
     compile: bool = True
     # Instruct models: each task prompt becomes one user turn of the model's chat template (RULER's
-    # answer prefix, where a task has one, follows the opened assistant turn).
+    # answer prefix, where a task has one, follows the opened assistant turn; a needle prompt goes
+    # whole, its answer prefix inside the turn).
     chat: bool = False
     # One prefill per group of methods that compute the same hidden states, and one stacked decode
     # of every method's state per sample (same predictions, ~4x less work). False: every method
@@ -75,8 +76,6 @@ class EvalConfig:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if isinstance(self.continuation, bool) or not isinstance(self.continuation, int) or self.continuation < 1:
             raise ValueError(f"continuation must be a positive number of tokens, got {self.continuation!r}")
-        if self.chat and self.benchmark == "niah":
-            raise ValueError("--chat supports ruler and longbench; the needle grid runs plain prompts")
         if self.question_after and self.benchmark == "niah":
             raise ValueError("--question-after-compression supports ruler and longbench; the needle grid's "
                              "prompts have no separate question")
@@ -190,9 +189,14 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
             for depth in cfg.depths:
                 _building(progress, f"needles at {length} tokens, depth {depth:g}")
                 for index in range(cfg.task_samples("niah")):
-                    needle = needle_prompt(tokenizer, length - 16, depth, seed=cfg.seed + index, root=cfg.data_dir)
-                    out.append({"index": index, "task": "niah", "depth": depth, "input_ids": needle.prompt_ids,
-                                "outputs": [needle.answer], "length": len(needle.prompt_ids), "max_new_tokens": 12,
+                    needle = needle_prompt(tokenizer, length - 16 - markup, depth, seed=cfg.seed + index,
+                                           root=cfg.data_dir)
+                    ids = needle.prompt_ids
+                    if wrap:  # the whole prompt (answer prefix included) as one user turn; BOS is the template's
+                        ids = _split(ids[1:] if ids[:1] == [tokenizer.bos_id] else ids, [], [], wrap, False)
+                        ids = ids["input_ids"]
+                    out.append({"index": index, "task": "niah", "depth": depth, "input_ids": ids,
+                                "outputs": [needle.answer], "length": len(ids), "max_new_tokens": 24 if wrap else 12,
                                 "metric": "needle", "length_budget": length})
     if progress and sys.stderr.isatty():
         print(file=sys.stderr)
