@@ -318,6 +318,9 @@ def format_stats(stats: dict) -> str:
         parts.append(f"pivot layer {pivot}")
     parts.append(f"KV {stats['kv_entries']} entries, {stats['kv_bytes_kept'] / 2**20:.2f} MiB of the prompt kept, "
                  f"{stats['kv_cache_bytes'] / 2**20:.2f} MiB allocated")
+    if stats.get("tp_ranks"):
+        parts.append(f"tensor parallel over {stats['tp_ranks']} ranks (KV above: this rank's; "
+                     f"{stats['kv_bytes_all_ranks'] / 2**20:.2f} MiB kept over all)")
     parts.append(f"{stats['new_tokens']} new tokens in {stats['decode_s']:.2f} s "
                  f"({stats['decode_tokens_per_s']:.1f} tok/s)")
     parts.append("compiled " + " and ".join(stats["compiled_parts"]) if stats.get("compiled_parts") else "eager")

@@ -50,3 +50,21 @@ def test_tp_without_torchrun_says_how_to_launch(folders, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):
         structkv.load(folders[0], tp=2)
+
+
+def test_cli_generate_under_torchrun_prints_the_single_process_answer(byte_model_dir):
+    """`torchrun --nproc-per-node 2 -m structkv.cli generate --tp 2`: rank 0 prints what one process
+    prints; the stats line gives this rank's KV and the total over ranks."""
+    import os
+    import subprocess
+    import sys
+
+    args = ["-m", "structkv.cli", "generate", "A test of tensor parallel generation.", "--model", str(byte_model_dir),
+            "--method", "structkv", "--kv-budget", "0.5", "--max-new-tokens", "8", "--eager"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240, env=env)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args, "--tp", "2"],
+                         capture_output=True, text=True, timeout=240, env=env)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout == one.stdout
+    assert "tensor parallel over 2 ranks" in two.stderr
