@@ -51,6 +51,16 @@ def read_shard(handle, name: str, world: int, rank: int) -> torch.Tensor:
     return part[start:stop] if dim == 0 else part[:, start:stop]
 
 
+def sharded_decoder(cfg, tp):
+    """This rank's part of a Decoder for the whole model's `cfg`: local heads and MLP width,
+    row-parallel where the split needs a sum (build it under the meta device, then assign weights)."""
+    from ..models.decoder import Decoder
+
+    model = Decoder(local_config(cfg, tp.world))
+    shard_model(model, tp)
+    return model
+
+
 def shard_model(model, tp) -> None:
     """Make a Decoder built from `local_config` row-parallel where the split needs a sum (on the
     meta device, before weights are assigned) and attach the group as `model.tp`."""

@@ -81,10 +81,9 @@ def build(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *, dtype: torch
         if tp is None:
             model = Decoder(cfg)
         else:
-            from ..distributed import local_config, shard_model
+            from ..distributed import sharded_decoder
 
-            model = Decoder(local_config(cfg, tp.world))
-            shard_model(model, tp)
+            model = sharded_decoder(cfg, tp)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight")

@@ -45,11 +45,9 @@ def random_model(shape: str, *, dtype=torch.float32, device="cpu", seed: int = 0
         if tp is None:
             model = Decoder(cfg)
         else:
-            from ..distributed import local_config, shard_model
+            from ..distributed import sharded_decoder
 
-            model = Decoder(local_config(cfg, tp.world))
-            shard_model(model, tp)
-            seed = seed * 1000 + tp.rank
+            model = sharded_decoder(cfg, tp)
     model = model.to_empty(device=device).to(dtype)
     model.full_config = cfg
     gen = torch.Generator(device="cpu").manual_seed(seed)
