@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .compiling import compiled, mark_warm, should_compile_decode
+from .detokenize import StopText
 from .models.kv_cache import StackedKVCache, StaticKVCache, round_capacity
 from .prompts import PROMPT_TYPES, encode_batch, ids_from_prompt, is_batch
 from .stats import PrefillStats
@@ -280,29 +281,23 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
 
 
 class TextStream:
-    """A `stream` callback for one row that writes text as it is produced: the whole decoded text
-    is re-decoded each step and only what is new is written, held back while it ends in an
-    incomplete character (a byte-level token can carry part of a UTF-8 sequence)."""
+    """A `stream` callback for one row that writes text as it is produced (through `StopText`
+    without stop strings: only complete characters are written until `finish`)."""
 
     def __init__(self, tokenizer, out):
-        self.tokenizer, self.out, self.ids, self.shown = tokenizer, out, [], 0
+        self.text, self.out = StopText(tokenizer), out
 
     def __call__(self, tokens: list[int | None]) -> None:
-        if tokens[0] is None:
-            return
-        self.ids.append(tokens[0])
-        text = self.tokenizer.decode(self.ids)
-        if not text.endswith("\ufffd"):
-            self._show(text)
+        if tokens[0] is not None:
+            self._write(self.text.push(tokens[0]))
 
     def finish(self) -> None:
         """Write what was held back (a generation can end inside or on an invalid character)."""
-        self._show(self.tokenizer.decode(self.ids))
+        self._write(self.text.finish())
 
-    def _show(self, text: str) -> None:
-        self.out.write(text[self.shown:])
+    def _write(self, text: str) -> None:
+        self.out.write(text)
         self.out.flush()
-        self.shown = len(text)
 
 
 def format_stats(stats: dict) -> str:

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 from .. import chat
 from ..compress import prefill
+from ..detokenize import StopText
 from ..generation import generate
 from ..methods import budget_options, get, names
 from .context_cache import ContextCache, context_key
 from .metrics import Metrics
 from .protocol import APIError, Request, bad, usage
-from .text import StopText
 
 log = logging.getLogger("structkv.serve")
 SEPARATOR = "\n\n"  # between an explicit context and the first user message's own content

@@ -1,4 +1,4 @@
-"""New tokens -> text deltas, cut at the first stop string.
+"""New tokens -> text deltas, cut at the first stop string (the CLI's stream and the server's).
 
 The whole answer is re-decoded each step and only what is new is released (a byte-level token can
 end inside a UTF-8 character, shown as U+FFFD until the next one completes it). Text that could be
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 class StopText:
-    def __init__(self, tokenizer, stops: list[str]):
+    def __init__(self, tokenizer, stops: list[str] = ()):
         self.tokenizer, self.stops = tokenizer, list(stops)
         self.ids: list[int] = []
         self.sent = 0  # characters of the answer released so far
