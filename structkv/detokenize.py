@@ -7,9 +7,11 @@ part of a stop string.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class StopText:
-    def __init__(self, tokenizer, stops: list[str] = ()):
+    def __init__(self, tokenizer, stops: Iterable[str] = ()):
         self.tokenizer, self.stops = tokenizer, list(stops)
         self.ids: list[int] = []
         self.sent = 0  # characters of the answer released so far
