@@ -441,6 +441,23 @@ def test_ratio_below_the_window_is_raised_to_it(llama):
     assert set(state.stats["kv_entries_per_layer"]) == {8 * llama.config.num_kv_heads}
 
 
+@given(n=st.integers(1, 120), budget=st.sampled_from([0.05, 0.1, 0.2, 0.5, 1.0, 9, 40]),
+       name=st.sampled_from(["full", "streaming_llm", "snapkv", "pyramidkv", "h2o"]),
+       arch=st.sampled_from(["llama", "gemma3_text"]))
+def test_planned_kept_entries_equal_what_compress_keeps(tiny_dir, n, budget, name, arch):
+    """Methods without propagation know their kept entries from the length alone (the accounting
+    of results recorded before kept bytes were): equal to what the prefill keeps, per layer."""
+    model = structkv.load(tiny_dir(arch))
+    method = methods.get(name) if name == "full" else methods.get(name, kv_budget=budget)
+    planned = method.planned_kv_entries(model.config, n)
+    assert planned == _compress(model, _ids(n), method).stats["kv_entries_per_layer"]
+
+
+@pytest.mark.parametrize("name", ["gemfilter", "fastkv", "structkv", "structkv_paper"])
+def test_propagating_methods_have_no_planned_kept_entries(llama, name):
+    assert methods.get(name).planned_kv_entries(llama.config, 100) is None
+
+
 @pytest.mark.parametrize("name, options, message", [
     ("snapkv", {"window": 0}, "window must be an int >= 1"),
     ("pyramidkv", {"window": 0}, "window must be an int >= 1"),

@@ -1,0 +1,72 @@
+"""Kept KV bytes of every run in an eval folder, measured or planned.
+
+Records written before kept bytes were (`kv_bytes_kept`) cannot show what their methods kept. For
+methods without propagation (full, StreamingLLM, SnapKV, PyramidKV, H2O) the kept entries follow
+from the prompt length alone (`Method.planned_kv_entries`), so this recomputes them from each
+record's `prompt_tokens` and the folder's model config. Where a record has the measured value too,
+the two are compared (they must be equal: the planned count is tested against `compress`).
+
+    python benchmarks/kept_bytes.py docs/results/longbench_8k
+
+(predictions.jsonl of `structkv eval`, or records.jsonl of `structkv eval fidelity`.)
+
+Prints per run label: records, mean kept MiB measured (when every record has it), mean kept MiB
+planned (when the method's count is length-determined), and how many of the records that
+have both disagree.
+Loads the model named in config.json (for its config and dtype).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import structkv
+from structkv import methods
+
+
+def method_of(record: dict):
+    options = methods.budget_options(record["method"], record.get("kv_budget"), record.get("struct_budget"))
+    return methods.get(record["method"], **options)
+
+
+def table(folder: Path, model) -> str:
+    cfg = model.config
+    per_entry = 2 * cfg.head_dim * model.dtype.itemsize  # K and V of one token, one KV head
+    by: dict[str, list[dict]] = defaultdict(list)
+    records = folder / "predictions.jsonl"
+    for line in (records if records.exists() else folder / "records.jsonl").read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            by[r["label"]].append(r)
+    lines = ["| run | records | KV MiB kept (measured) | KV MiB kept (planned) | planned != measured |",
+             "|---|---|---|---|---|"]
+    for label in sorted(by):
+        recs, method = by[label], method_of(by[label][0])
+        planned = [method.planned_kv_entries(cfg, r["prompt_tokens"]) for r in recs]
+        planned = None if None in planned else [sum(p) * per_entry for p in planned]
+        measured = [r.get("kv_bytes_kept") for r in recs]
+        pairs = [] if planned is None else [(m, p) for m, p in zip(measured, planned) if m is not None]
+        check = f"{sum(m != p for m, p in pairs)} of {len(pairs)}" if pairs else "-"
+        measured = None if None in measured else measured
+        lines.append(f"| {label} | {len(recs)} | {mib(measured)} | {mib(planned)} | {check} |")
+    return "\n".join(lines) + "\n"
+
+
+def mib(values) -> str:
+    return "-" if values is None else f"{sum(values) / len(values) / 2**20:.2f}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", type=Path)
+    args = p.parse_args(argv)
+    config = json.loads((args.folder / "config.json").read_text())["config"]
+    print(table(args.folder, structkv.load(config["model"])), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
