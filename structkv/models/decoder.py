@@ -312,3 +312,14 @@ class Decoder(nn.Module):
             h, k, v = self.layer_forward(i, h, positions, rope, keys=keys)
             layer.write(k, v, positions)
         return self.logits(h) if every else self.logits(h[:, -1])
+
+
+def empty_decoder(cfg: ModelConfig, tp=None) -> Decoder:
+    """A Decoder for `cfg` on the meta device (no memory until weights are assigned or
+    materialised), or with `tp` (a `structkv.distributed.TensorParallel`) this rank's part of it."""
+    with torch.device("meta"):
+        if tp is None:
+            return Decoder(cfg)
+        from ..distributed import sharded_decoder
+
+        return sharded_decoder(cfg, tp)

@@ -18,7 +18,7 @@ from ..fetch import WheelFile, cache_root, fetch, hub_reachable
 from ..files import read_json_object
 from ..tokenizer import Tokenizer
 from .config import ModelConfig
-from .decoder import Decoder
+from .decoder import Decoder, empty_decoder
 
 GGUF_CACHE_VERSION = 2  # of the converted copy's layout (2: the chat template in tokenizer_meta.json)
 ALIASES = {
@@ -77,13 +77,7 @@ def build(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *, dtype: torch
     """Meta-device construction + strict, shape-checked `assign` load. With `tp` (a
     `structkv.distributed.TensorParallel`), `state_dict` holds this rank's shards and the model is
     this rank's part (`model.config` its local heads, `model.full_config` the whole model)."""
-    with torch.device("meta"):
-        if tp is None:
-            model = Decoder(cfg)
-        else:
-            from ..distributed import sharded_decoder
-
-            model = sharded_decoder(cfg, tp)
+    model = empty_decoder(cfg, tp)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight")

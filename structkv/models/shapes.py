@@ -36,19 +36,12 @@ SHAPES: dict[str, dict] = {
 def random_model(shape: str, *, dtype=torch.float32, device="cpu", seed: int = 0, tp=None):
     """A Decoder with the architecture of `shape` (a key of SHAPES) and seeded random weights
     (with `tp`: this rank's shard, seeded per rank: for speed, not for comparing outputs)."""
-    from .decoder import Decoder
+    from .decoder import empty_decoder
 
     if shape not in SHAPES:
         raise ValueError(f"unknown model shape {shape!r}; valid: {', '.join(SHAPES)}")
     cfg = ModelConfig.from_hf(SHAPES[shape])
-    with torch.device("meta"):
-        if tp is None:
-            model = Decoder(cfg)
-        else:
-            from ..distributed import sharded_decoder
-
-            model = sharded_decoder(cfg, tp)
-    model = model.to_empty(device=device).to(dtype)
+    model = empty_decoder(cfg, tp).to_empty(device=device).to(dtype)
     model.full_config = cfg
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
