@@ -196,7 +196,8 @@ def _eval(args) -> int:
                      struct_budget=args.struct_budget, lengths=args.lengths, tasks=args.tasks, samples=args.samples,
                      depths=args.depths, seed=args.seed, max_new_tokens=args.max_new_tokens, window=args.window,
                      longbench_full=args.longbench_full, data_dir=args.data, compile=not args.eager,
-                     shared=not args.separate, chat=args.chat, question_after=args.question_after_compression,
+                     shared=not args.separate, chat=args.chat, chat_every_task=args.chat_every_task,
+                     question_after=args.question_after_compression,
                      continuation=args.continuation)
     cfg.validate()  # bad names and data folders fail before the model loads
     if args.benchmark == "fidelity":
@@ -359,7 +360,11 @@ def main(argv=None) -> int:
     e.add_argument("--longbench-full", action="store_true", help="LongBench: full task files, not subset/")
     e.add_argument("--chat", action="store_true",
                    help="instruct models: each prompt as one user turn of the model's chat template (ruler, "
-                        "longbench, niah); RULER's answer prefix follows the opened assistant turn")
+                        "longbench, niah); RULER's answer prefix follows the opened assistant turn; LongBench's "
+                        "few-shot and code tasks stay plain, as LongBench's pred.py does")
+    e.add_argument("--chat-every-task", action="store_true",
+                   help="with --chat: wrap LongBench's few-shot and code tasks (trec, triviaqa, samsum, lcc, "
+                        "repobench-p) too")
     e.add_argument("--question-after-compression", action="store_true",
                    help="query-agnostic (ruler, longbench): compress the context without the question, then "
                         "append the question (and, with --chat, the end of the turn) uncompressed; default: "

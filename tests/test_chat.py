@@ -119,10 +119,16 @@ def test_eval_chat_wraps_each_prompt(chat_dir, chat_model, tmp_path, capsys):
     text = chat_model.tokenizer.decode(sample["input_ids"], skip_special_tokens=False)
     assert sample["input_ids"][: len(head)] == head and len(sample["input_ids"]) <= 1024 - 128  # 128 new tokens
     assert text.endswith("<eos>\n<|assistant|>\n" + sample["answer_prefix"].lstrip())
-    lb = build_samples(EvalConfig(benchmark="longbench", model=str(chat_dir), tasks=["trec"], samples=1,
-                                  lengths=[1500], chat=True), chat_model.tokenizer)[0]
-    assert lb["input_ids"][: len(head)] == head and lb["input_ids"][-len(tail):] == tail
-    assert len(lb["input_ids"]) == 1500
+    for task, every, wrapped in (("narrativeqa", False, True), ("trec", False, False), ("trec", True, True)):
+        lb = build_samples(EvalConfig(benchmark="longbench", model=str(chat_dir), tasks=[task], samples=1,
+                                      lengths=[1500], chat=True, chat_every_task=every), chat_model.tokenizer)[0]
+        plain = build_samples(EvalConfig(benchmark="longbench", model=str(chat_dir), tasks=[task], samples=1,
+                                         lengths=[1500]), chat_model.tokenizer)[0]
+        assert len(lb["input_ids"]) == 1500
+        assert (lb["input_ids"][: len(head)] == head and lb["input_ids"][-len(tail):] == tail) is wrapped
+        assert (lb["input_ids"] == plain["input_ids"]) is not wrapped  # few-shot tasks plain, as LongBench's pred.py
+    with pytest.raises(ValueError, match="add --chat"):
+        EvalConfig(benchmark="longbench", chat_every_task=True).validate()
     needle = build_samples(EvalConfig(benchmark="niah", model=str(chat_dir), samples=1, depths=[0.5], lengths=[1024],
                                       chat=True), chat_model.tokenizer)[0]  # the whole needle prompt as a user turn
     assert needle["input_ids"][: len(head)] == head and needle["input_ids"][-len(tail):] == tail

@@ -30,7 +30,16 @@ import torch
 
 from ...files import write_text_atomic
 from .. import mean
-from .runner import Progress, _check_settings, _open_output, _read_predictions, build_samples, make_method, method_runs
+from .runner import (
+    Progress,
+    _check_settings,
+    _open_output,
+    _read_predictions,
+    build_samples,
+    chat_scope,
+    make_method,
+    method_runs,
+)
 
 BOOTSTRAP = 2000
 GOLD_TOKENS = 64  # gold NLL over at most the answer's first 64 tokens (summaries: (R, S, V) logits fit)
@@ -197,7 +206,7 @@ def aggregate(records: list[dict], seed: int = 0) -> dict:
 def summary_markdown(result: dict, cfg=None) -> str:
     lines = []
     if cfg is not None:
-        chat = ", chat template" if cfg.chat else ""
+        chat = ", chat template" + chat_scope(cfg) if cfg.chat else ""
         lines.append(f"# fidelity on {cfg.model}: prompts of {', '.join(cfg.tasks or ['every task'])}, "
                      f"{cfg.samples} per task, seed {cfg.seed}, {cfg.continuation}-token greedy continuation of "
                      f"the full cache{chat}, R_struct {cfg.struct_budget}\n")

@@ -9,7 +9,8 @@ full task files come from the Hub's THUDM/LongBench `data.zip`, cached under
 Prompts use `config/dataset2prompt.json` and generation lengths
 `config/dataset2maxlen.json`; prompts longer than the budget are cut in the middle, as
 LongBench's pred.py does (first half + last half of the tokens). Prompts are plain text, as for
-base models: LongBench's chat templates are not applied.
+base models; `structkv eval --chat` puts them in the model's chat template, except the tasks of
+`PLAIN_UNDER_CHAT`, which LongBench's pred.py leaves plain for chat models too.
 """
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from ...files import write_atomic
 from .metrics import LONGBENCH_METRIC
 
 TASKS = list(LONGBENCH_METRIC)
+# Few-shot tasks (their examples read as a text to continue, the answer in the examples' format) and
+# code completion: LongBench's pred.py does not wrap these in a chat model's template.
+PLAIN_UNDER_CHAT = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
 BUNDLED = Path(__file__).resolve().parent / "data" / "longbench"
 HUB_REPO = "THUDM/LongBench"
 OFFLINE_HINT = ("The bundled subset (187 records over all 16 English tasks) needs no network: run without "

@@ -24,7 +24,7 @@ BENCHMARKS = ("ruler", "longbench", "niah", "fidelity")
 # Settings that define what a result means: a folder cannot mix runs that differ in these.
 DEFAULT_SAMPLES = 10  # generated samples per task (RULER, niah) when not given
 IDENTITY = ("benchmark", "model", "seed", "struct_budget", "max_new_tokens", "window", "longbench_full", "chat",
-            "question_after", "continuation")
+            "chat_every_task", "question_after", "continuation")
 
 
 @dataclass
@@ -48,6 +48,9 @@ class EvalConfig:
     # answer prefix, where a task has one, follows the opened assistant turn; a needle prompt goes
     # whole, its answer prefix inside the turn).
     chat: bool = False
+    # With `chat`: LongBench's few-shot and code tasks in the template too (LongBench's pred.py, and
+    # the default here, leave them plain: `longbench.PLAIN_UNDER_CHAT`).
+    chat_every_task: bool = False
     # One prefill per group of methods that compute the same hidden states, and one stacked decode
     # of every method's state per sample (same predictions, ~4x less work). False: every method
     # runs alone, so each record's prefill and decode times are its own call's.
@@ -76,6 +79,8 @@ class EvalConfig:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if isinstance(self.continuation, bool) or not isinstance(self.continuation, int) or self.continuation < 1:
             raise ValueError(f"continuation must be a positive number of tokens, got {self.continuation!r}")
+        if self.chat_every_task and not self.chat:
+            raise ValueError("--chat-every-task changes what --chat wraps; add --chat")
         if self.question_after and self.benchmark == "niah":
             raise ValueError("--question-after-compression supports ruler and longbench; the needle grid's "
                              "prompts have no separate question")
@@ -173,16 +178,17 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
                                                         tokenizer, wrap, cfg.question_after),
                                     "length_budget": length})
         if longbench_tasks:
-            from .longbench import load
+            from .longbench import PLAIN_UNDER_CHAT, load
             for task in longbench_tasks:
                 _building(progress, f"LongBench {task} at {length} tokens")
-                bos = 1 if wrap and tokenizer.add_bos and tokenizer.bos_id is not None else 0  # dropped below
-                for rec in load(task, tokenizer, length - markup + bos, root=cfg.data_dir,
+                turn = wrap if cfg.chat_every_task or task not in PLAIN_UNDER_CHAT else None
+                bos = 1 if turn and tokenizer.add_bos and tokenizer.bos_id is not None else 0  # dropped below
+                for rec in load(task, tokenizer, length - (markup if turn else 0) + bos, root=cfg.data_dir,
                                 subset=not cfg.longbench_full, samples=cfg.samples, split_question=cfg.question_after):
-                    if wrap:  # the tokenizer's BOS is the template's business
+                    if turn:  # the tokenizer's BOS is the template's business
                         ids = rec["input_ids"]
                         rec["input_ids"] = ids[1:] if ids[:1] == [tokenizer.bos_id] else ids
-                    rec.update(_split(rec.pop("input_ids"), rec.pop("question_ids", []), [], wrap, cfg.question_after))
+                    rec.update(_split(rec.pop("input_ids"), rec.pop("question_ids", []), [], turn, cfg.question_after))
                     out.append({**rec, "length_budget": length})
         if cfg.benchmark == "niah":
             from ...data import needle_prompt
@@ -201,6 +207,13 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
     if progress and sys.stderr.isatty():
         print(file=sys.stderr)
     return out
+
+
+def chat_scope(cfg: EvalConfig) -> str:
+    """What --chat wraps, for headings, where LongBench tasks are in the run."""
+    if cfg.benchmark not in ("longbench", "fidelity"):
+        return ""
+    return " (every task)" if cfg.chat_every_task else " (LongBench's few-shot and code tasks plain, as its pred.py)"
 
 
 def _task_sources(cfg: EvalConfig, tasks: list[str]) -> tuple[list[str], list[str]]:
@@ -590,7 +603,7 @@ def summary_markdown(result: dict, cfg: EvalConfig | None = None) -> str:
             what = f"up to {cfg.samples} record(s)" if cfg.samples else "every record"
         else:
             what = f"{cfg.samples or DEFAULT_SAMPLES} sample(s)"
-        chat = ", prompts in the model's chat template" if cfg.chat else ""
+        chat = ", prompts in the model's chat template" + chat_scope(cfg) if cfg.chat else ""
         if cfg.question_after:
             chat += ", question appended after compression (query-agnostic)"
         lines.append(f"# {cfg.benchmark} on {cfg.model}: {what} per task{partial}, R_struct {cfg.struct_budget}"
