@@ -6,7 +6,7 @@ from the prompt length alone (`Method.planned_kv_entries`), so this recomputes t
 record's `prompt_tokens` and the folder's model config. Where a record has the measured value too,
 the two are compared (they must be equal: the planned count is tested against `compress`).
 
-    python benchmarks/kept_bytes.py docs/results/longbench_8k
+    python benchmarks/kept_bytes.py docs/results/longbench_8k [--common]
 
 (predictions.jsonl of `structkv eval`, or records.jsonl of `structkv eval fidelity`.)
 
@@ -32,7 +32,7 @@ def method_of(record: dict):
     return methods.get(record["method"], **options)
 
 
-def table(folder: Path, model) -> str:
+def table(folder: Path, model, common: bool = False) -> str:
     cfg = model.config
     per_entry = 2 * cfg.head_dim * model.dtype.itemsize  # K and V of one token, one KV head
     by: dict[str, list[dict]] = defaultdict(list)
@@ -41,6 +41,9 @@ def table(folder: Path, model) -> str:
         if line.strip():
             r = json.loads(line)
             by[r["label"]].append(r)
+    if common:  # only the prompts every run has, as benchmarks/common_subset.py compares them
+        keys = set.intersection(*({prompt_key(r) for r in recs} for recs in by.values()))
+        by = {label: [r for r in recs if prompt_key(r) in keys] for label, recs in by.items()}
     lines = ["| run | records | KV MiB kept (measured) | KV MiB kept (planned) | planned != measured |",
              "|---|---|---|---|---|"]
     for label in sorted(by):
@@ -55,6 +58,10 @@ def table(folder: Path, model) -> str:
     return "\n".join(lines) + "\n"
 
 
+def prompt_key(record: dict) -> tuple:
+    return record.get("length_budget"), record["task"], record["index"]
+
+
 def mib(values) -> str:
     return "-" if values is None else f"{sum(values) / len(values) / 2**20:.2f}"
 
@@ -62,9 +69,10 @@ def mib(values) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", type=Path)
+    p.add_argument("--common", action="store_true", help="only the prompts every run has (a partial folder)")
     args = p.parse_args(argv)
     config = json.loads((args.folder / "config.json").read_text())["config"]
-    print(table(args.folder, structkv.load(config["model"])), end="")
+    print(table(args.folder, structkv.load(config["model"]), args.common), end="")
     return 0
 
 
