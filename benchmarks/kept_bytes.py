@@ -25,6 +25,7 @@ from pathlib import Path
 
 import structkv
 from structkv import methods
+from structkv.harness.eval.runner import _read_predictions
 
 
 def method_of(record: dict):
@@ -37,10 +38,8 @@ def table(folder: Path, model, common: bool = False) -> str:
     per_entry = 2 * cfg.head_dim * model.dtype.itemsize  # K and V of one token, one KV head
     by: dict[str, list[dict]] = defaultdict(list)
     records = folder / "predictions.jsonl"
-    for line in (records if records.exists() else folder / "records.jsonl").read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            by[r["label"]].append(r)
+    for r in _read_predictions(records if records.exists() else folder / "records.jsonl").values():
+        by[r["label"]].append(r)
     if common:  # only the prompts every run has, as benchmarks/common_subset.py compares them
         keys = set.intersection(*({prompt_key(r) for r in recs} for recs in by.values()))
         by = {label: [r for r in recs if prompt_key(r) in keys] for label, recs in by.items()}

@@ -8,38 +8,38 @@ each task, and reports the difference of the task-averaged scores (x100) with it
     python benchmarks/paired_ruler.py docs/results/smollm2_ruler_4k --method structkv \\
         --against fastkv,snapkv,pyramidkv
 
-Compares at every R_KV the folder holds (`structkv@0.1` against `fastkv@0.1`, ...).
+Compares at every R_KV the folder holds (`structkv@0.1` against `fastkv@0.1`, ...); a folder with
+several lengths is averaged over its (length, task) pairs.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+from structkv.harness.eval.runner import _read_predictions
+
 
 def scores(folder: Path) -> dict[str, dict[tuple, float]]:
-    """label -> {(task, sample): score}."""
+    """label -> {(length, task, sample): score}."""
     by: dict[str, dict] = defaultdict(dict)
-    for line in (folder / "predictions.jsonl").read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            by[r["label"]][(r["task"], r["index"])] = r["score"]
+    for r in _read_predictions(folder / "predictions.jsonl").values():
+        by[r["label"]][(r["length_budget"], r["task"], r["index"])] = r["score"]
     return by
 
 
-def task_mean(diffs: dict[str, list[float]]) -> float:
+def task_mean(diffs: dict[tuple, list[float]]) -> float:
     return 100 * sum(sum(v) / len(v) for v in diffs.values()) / len(diffs)
 
 
 def paired(a: dict, b: dict, resamples: int, rng: random.Random) -> tuple[float, float, float, int]:
     """Difference a - b of the task-averaged scores over their common prompts, and its 95 %
     interval from resampling prompts within each task."""
-    by_task: dict[str, list[float]] = defaultdict(list)
+    by_task: dict[tuple, list[float]] = defaultdict(list)  # (length, task) -> differences
     for key in sorted(set(a) & set(b)):
-        by_task[key[0]].append(a[key] - b[key])
+        by_task[key[:2]].append(a[key] - b[key])
     boots = sorted(task_mean({t: [rng.choice(d) for _ in d] for t, d in by_task.items()})
                    for _ in range(resamples))
     lo, hi = boots[int(0.025 * resamples)], boots[int(0.975 * resamples) - 1]
