@@ -9,17 +9,24 @@ each task, and reports the difference of the task-averaged scores (x100) with it
         --against fastkv,snapkv,pyramidkv
 
 Compares at every R_KV the folder holds (`structkv@0.1` against `fastkv@0.1`, ...); a folder with
-several lengths is averaged over its (length, task) pairs.
+several lengths is averaged over its (length, task) pairs. Runs at different R_KV (an equal-kept-bytes
+run kept in its own folder) pair by exact labels, the baselines read from `--against-folder`, whose
+settings must match (the runner's identity fields):
+
+    python benchmarks/paired_ruler.py docs/results/longbench_8k_equal_kept --method structkv@0.16 \
+        --against pyramidkv@0.1,snapkv@0.1 --against-folder docs/results/longbench_8k
 """
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 from collections import defaultdict
+from dataclasses import fields
 from pathlib import Path
 
-from structkv.harness.eval.runner import _read_predictions
+from structkv.harness.eval.runner import IDENTITY, EvalConfig, _read_predictions
 
 
 def scores(folder: Path) -> dict[str, dict[tuple, float]]:
@@ -28,6 +35,23 @@ def scores(folder: Path) -> dict[str, dict[tuple, float]]:
     for r in _read_predictions(folder / "predictions.jsonl").values():
         by[r["label"]][(r["length_budget"], r["task"], r["index"])] = r["score"]
     return by
+
+
+def same_settings(a: Path, b: Path) -> str | None:
+    """None when the two folders' results mean the same thing, else what differs."""
+    defaults = {f.name: f.default for f in fields(EvalConfig)}  # a key older folders lack: its default
+    conf = [defaults | json.loads((f / "config.json").read_text())["config"] for f in (a, b)]
+    clash = {k: (conf[0].get(k), conf[1].get(k)) for k in IDENTITY if conf[0].get(k) != conf[1].get(k)}
+    return f"{a} and {b} were run with other settings {clash}" if clash else None
+
+
+def comparisons(by: dict, other: dict, method: str, against: list[str]) -> list[tuple[str, str]]:
+    """(label, baseline label) pairs: exact labels where `method` names an R_KV, else per R_KV."""
+    if "@" in method:
+        return [(method, b) for b in against if b in other]
+    budgets = sorted(label.split("@", 1)[1] for label in by if label.startswith(method + "@"))
+    return [(f"{method}@{r}", b if "@" in b else f"{b}@{r}") for r in budgets for b in against
+            if (b if "@" in b else f"{b}@{r}") in other]
 
 
 def task_mean(diffs: dict[tuple, list[float]]) -> float:
@@ -49,24 +73,30 @@ def paired(a: dict, b: dict, resamples: int, rng: random.Random) -> tuple[float,
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", type=Path)
-    p.add_argument("--method", default="structkv")
-    p.add_argument("--against", default="fastkv,snapkv", help="comma-separated methods")
+    p.add_argument("--method", default="structkv", help="a method (every R_KV) or one run, e.g. structkv@0.16")
+    p.add_argument("--against", default="fastkv,snapkv", help="comma-separated methods or runs (fastkv@0.1)")
+    p.add_argument("--against-folder", type=Path, help="where the baselines' runs are; default: folder")
     p.add_argument("--resamples", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    other_folder = args.against_folder or args.folder
+    if other_folder != args.folder and (why := same_settings(args.folder, other_folder)):
+        print(f"{why}; their prompts do not pair", file=sys.stderr)
+        return 2
     by, rng = scores(args.folder), random.Random(args.seed)
-    budgets = sorted(label.split("@", 1)[1] for label in by if label.startswith(args.method + "@"))
-    if not budgets:
-        print(f"no run of {args.method!r} in {args.folder}; runs: {', '.join(sorted(by))}", file=sys.stderr)
+    other = by if other_folder == args.folder else scores(other_folder)
+    pairs = [(a, b) for a, b in comparisons(by, other, args.method, args.against.split(",")) if a in by]
+    if not pairs:
+        print(f"nothing to compare: runs in {args.folder}: {', '.join(sorted(by))}; "
+              f"in {other_folder}: {', '.join(sorted(other))}", file=sys.stderr)
         return 2
     print("| R_KV | comparison | difference [95 % interval] | prompts |\n|---|---|---|---|")
-    for budget in budgets:
-        for other in args.against.split(","):
-            a, b = f"{args.method}@{budget}", f"{other}@{budget}"
-            if b not in by:
-                continue
-            d, lo, hi, n = paired(by[a], by[b], args.resamples, rng)
-            print(f"| {budget} | {a} - {b} | {d:+.1f} [{lo:+.1f}, {hi:+.1f}] | {n} |")
+    for a, b in pairs:
+        if not set(by[a]) & set(other[b]):
+            print(f"| {a.split('@', 1)[1]} | {a} - {b} | no prompt in common | 0 |")
+            continue
+        d, lo, hi, n = paired(by[a], other[b], args.resamples, rng)
+        print(f"| {a.split('@', 1)[1]} | {a} - {b} | {d:+.1f} [{lo:+.1f}, {hi:+.1f}] | {n} |")
     return 0
 
 
