@@ -3,25 +3,45 @@
 A resumed run computes each prompt for every method at once, but a folder extended with new
 methods (or stopped midway) holds rows over different prompts; `summary.md` averages each row
 over its own. This prints per task and on average, x100, only over the (task, sample) pairs that
-every label in the folder (or in `--labels`) has.
+every label in the folder (or in `--labels`) has. Several folders made with the same settings
+(an equal-kept-bytes run kept apart from the main one) read as one; a label in two folders is
+refused.
 
     python benchmarks/common_subset.py docs/results/smollm2_ruler_2k
+    python benchmarks/common_subset.py docs/results/longbench_8k_equal_kept docs/results/longbench_8k \
+        --labels structkv@0.16,pyramidkv@0.1,snapkv@0.1
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+from structkv.harness.eval.runner import _read_predictions, settings_clash
 
-def table(folder: Path, labels: list[str] | None = None) -> str:
-    by: dict[str, dict] = defaultdict(dict)
-    for line in (folder / "predictions.jsonl").read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            by[r["label"]][(r["length_budget"], r["task"], r["index"])] = r
+
+def records(folders: list[Path], labels: list[str] | None) -> dict[str, dict[tuple, dict]]:
+    """label -> {(length, task, sample): record} over the folders (which must pair), only `labels`
+    where given."""
+    by: dict[str, dict] = {}
+    for folder in folders:
+        if clash := settings_clash(folders[0], folder):
+            raise ValueError(f"{folders[0]} and {folder} were run with other settings {clash}")
+        here: dict[str, dict] = defaultdict(dict)
+        for r in _read_predictions(folder / "predictions.jsonl").values():
+            if labels is None or r["label"] in labels:
+                here[r["label"]][(r["length_budget"], r["task"], r["index"])] = r
+        if twice := set(here) & set(by):
+            raise ValueError(f"runs {sorted(twice)} are in {folder} and in an earlier folder; choose with --labels")
+        by |= here
+    if missing := [label for label in labels or [] if label not in by]:
+        raise ValueError(f"no run {missing} in {', '.join(map(str, folders))}")
+    return by
+
+
+def table(folders: list[Path], labels: list[str] | None = None) -> str:
+    by = records(folders, labels)
     labels = labels or sorted(by)
     common = set.intersection(*(set(by[label]) for label in labels))
     if not common:
@@ -44,10 +64,14 @@ def table(folder: Path, labels: list[str] | None = None) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("folder", type=Path)
-    p.add_argument("--labels", default=None, help="comma-separated labels (default: every label in the folder)")
+    p.add_argument("folders", type=Path, nargs="+")
+    p.add_argument("--labels", default=None, help="comma-separated labels (default: every label in the folders)")
     args = p.parse_args(argv)
-    print(table(args.folder, args.labels.split(",") if args.labels else None), end="")
+    try:
+        print(table(args.folders, args.labels.split(",") if args.labels else None), end="")
+    except ValueError as e:
+        print(f"common_subset: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

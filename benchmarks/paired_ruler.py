@@ -19,14 +19,12 @@ settings must match (the runner's identity fields):
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from collections import defaultdict
-from dataclasses import fields
 from pathlib import Path
 
-from structkv.harness.eval.runner import IDENTITY, EvalConfig, _read_predictions
+from structkv.harness.eval.runner import _read_predictions, settings_clash
 
 
 def scores(folder: Path) -> dict[str, dict[tuple, float]]:
@@ -35,14 +33,6 @@ def scores(folder: Path) -> dict[str, dict[tuple, float]]:
     for r in _read_predictions(folder / "predictions.jsonl").values():
         by[r["label"]][(r["length_budget"], r["task"], r["index"])] = r["score"]
     return by
-
-
-def same_settings(a: Path, b: Path) -> str | None:
-    """None when the two folders' results mean the same thing, else what differs."""
-    defaults = {f.name: f.default for f in fields(EvalConfig)}  # a key older folders lack: its default
-    conf = [defaults | json.loads((f / "config.json").read_text())["config"] for f in (a, b)]
-    clash = {k: (conf[0].get(k), conf[1].get(k)) for k in IDENTITY if conf[0].get(k) != conf[1].get(k)}
-    return f"{a} and {b} were run with other settings {clash}" if clash else None
 
 
 def comparisons(by: dict, other: dict, method: str, against: list[str]) -> list[tuple[str, str]]:
@@ -80,8 +70,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     other_folder = args.against_folder or args.folder
-    if other_folder != args.folder and (why := same_settings(args.folder, other_folder)):
-        print(f"{why}; their prompts do not pair", file=sys.stderr)
+    if other_folder != args.folder and (clash := settings_clash(args.folder, other_folder)):
+        print(f"{args.folder} and {other_folder} were run with other settings {clash}; their prompts do not pair",
+              file=sys.stderr)
         return 2
     by, rng = scores(args.folder), random.Random(args.seed)
     other = by if other_folder == args.folder else scores(other_folder)

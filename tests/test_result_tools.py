@@ -1,28 +1,38 @@
-"""benchmarks/paired_ruler.py on hand-made result folders: the paired difference is the difference of
-task-averaged scores, runs in two folders pair by exact labels, and folders made with other settings
-are refused rather than paired."""
+"""benchmarks/paired_ruler.py and common_subset.py on hand-made result folders: the paired difference
+is the difference of task-averaged scores, the common-subset table averages only the prompts every
+run has, runs in two folders pair by exact labels, and folders made with other settings are refused
+rather than paired."""
 import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "paired_ruler.py"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def script(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
 def paired_ruler():
-    spec = importlib.util.spec_from_file_location("paired_ruler", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script("paired_ruler")
+
+
+@pytest.fixture(scope="module")
+def common_subset():
+    return script("common_subset")
 
 
 def folder(path: Path, scores: dict[str, dict[tuple[str, int], float]], **config) -> Path:
     """A result folder: label -> {(task, sample): score}, every prompt at 4096 tokens."""
     path.mkdir()
     lines = [json.dumps({"key": f"{label}|{task}|{i}", "label": label, "length_budget": 4096, "task": task,
-                         "index": i, "score": s})
+                         "index": i, "score": s, "prefill_fraction": 1.0})
              for label, by in scores.items() for (task, i), s in by.items()]
     (path / "predictions.jsonl").write_text("\n".join(lines) + "\n")
     (path / "config.json").write_text(json.dumps({"config": {"benchmark": "ruler", "model": "m", **config}}))
@@ -80,3 +90,28 @@ def test_nothing_to_compare_names_the_runs(paired_ruler, tmp_path, capsys):
     f = folder(tmp_path / "f", {"snapkv@0.1": {("a", 0): 1.0}})
     rc, _, err = run(paired_ruler, capsys, f, "--against", "fastkv")
     assert rc == 2 and "snapkv@0.1" in err
+
+
+def test_common_subset_over_two_folders(common_subset, tmp_path, capsys):
+    eq = folder(tmp_path / "eq", {"structkv@0.16": {("a", 0): 1.0, ("a", 1): 1.0, ("b", 0): 0.0}})
+    main = folder(tmp_path / "main", {"snapkv@0.1": {("a", 0): 0.0, ("a", 1): 1.0, ("b", 0): 1.0, ("b", 1): 1.0},
+                                      "full": {("a", 0): 1.0}})
+    assert common_subset.main([str(eq), str(main), "--labels", "structkv@0.16,snapkv@0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "Over the 3 prompts every one of 2 runs has." in out  # (b, 1) is not in structkv@0.16
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in out.splitlines() if "@" in line}
+    # columns: method, length, a, b, avg, ...: a and b are task means, avg their mean
+    assert rows["| structkv@0.16"][2:5] == ["100.0", "0.0", "50.0"]
+    assert rows["| snapkv@0.1"][2:5] == ["50.0", "100.0", "75.0"]
+
+
+def test_common_subset_refuses_what_does_not_pair(common_subset, tmp_path, capsys):
+    a = folder(tmp_path / "a", {"snapkv@0.1": {("a", 0): 1.0}}, chat=True)
+    b = folder(tmp_path / "b", {"snapkv@0.1": {("a", 0): 0.0}}, chat=True)
+    c = folder(tmp_path / "c", {"fastkv@0.1": {("a", 0): 0.0}}, chat=False)
+    assert common_subset.main([str(a), str(b)]) == 2
+    assert "snapkv@0.1" in capsys.readouterr().err  # the same run in two folders: which one?
+    assert common_subset.main([str(a), str(c)]) == 2
+    assert "other settings" in capsys.readouterr().err
+    assert common_subset.main([str(a), "--labels", "snapkv@0.2"]) == 2
+    assert "no run ['snapkv@0.2']" in capsys.readouterr().err
