@@ -15,33 +15,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
 
-from structkv.harness.eval.runner import _read_predictions, settings_clash
-
-
-def records(folders: list[Path], labels: list[str] | None) -> dict[str, dict[tuple, dict]]:
-    """label -> {(length, task, sample): record} over the folders (which must pair), only `labels`
-    where given."""
-    by: dict[str, dict] = {}
-    for folder in folders:
-        if clash := settings_clash(folders[0], folder):
-            raise ValueError(f"{folders[0]} and {folder} were run with other settings {clash}")
-        here: dict[str, dict] = defaultdict(dict)
-        for r in _read_predictions(folder / "predictions.jsonl").values():
-            if labels is None or r["label"] in labels:
-                here[r["label"]][(r["length_budget"], r["task"], r["index"])] = r
-        if twice := set(here) & set(by):
-            raise ValueError(f"runs {sorted(twice)} are in {folder} and in an earlier folder; choose with --labels")
-        by |= here
-    if missing := [label for label in labels or [] if label not in by]:
-        raise ValueError(f"no run {missing} in {', '.join(map(str, folders))}")
-    return by
+from structkv.harness.eval.folders import runs
 
 
 def table(folders: list[Path], labels: list[str] | None = None) -> str:
-    by = records(folders, labels)
+    by = runs(folders, labels)
     labels = labels or sorted(by)
     common = set.intersection(*(set(by[label]) for label in labels))
     if not common:

@@ -7,8 +7,11 @@ record's `prompt_tokens` and the folder's model config. Where a record has the m
 the two are compared (they must be equal: the planned count is tested against `compress`).
 
     python benchmarks/kept_bytes.py docs/results/longbench_8k [--common]
+    python benchmarks/kept_bytes.py docs/results/longbench_8k_equal_kept docs/results/longbench_8k \
+        --labels structkv@0.16,snapkv@0.1 --common
 
-(predictions.jsonl of `structkv eval`, or records.jsonl of `structkv eval fidelity`.)
+(predictions.jsonl of `structkv eval`, or records.jsonl of `structkv eval fidelity`; several folders
+made with the same settings read as one, as in common_subset.py.)
 
 Prints per run label: records, mean kept MiB measured (when every record has it), mean kept MiB
 planned (when the method's count is length-determined), and how many of the records that
@@ -20,12 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import structkv
 from structkv import methods
-from structkv.harness.eval.runner import _read_predictions
+from structkv.harness.eval.folders import prompt_key, runs
 
 
 def method_of(record: dict):
@@ -33,13 +35,10 @@ def method_of(record: dict):
     return methods.get(record["method"], **options)
 
 
-def table(folder: Path, model, common: bool = False) -> str:
+def table(folders: list[Path], model, common: bool = False, labels: list[str] | None = None) -> str:
     cfg = model.config
     per_entry = 2 * cfg.head_dim * model.dtype.itemsize  # K and V of one token, one KV head
-    by: dict[str, list[dict]] = defaultdict(list)
-    records = folder / "predictions.jsonl"
-    for r in _read_predictions(records if records.exists() else folder / "records.jsonl").values():
-        by[r["label"]].append(r)
+    by = {label: list(recs.values()) for label, recs in runs(folders, labels).items()}
     if common:  # only the prompts every run has, as benchmarks/common_subset.py compares them
         keys = set.intersection(*({prompt_key(r) for r in recs} for recs in by.values()))
         by = {label: [r for r in recs if prompt_key(r) in keys] for label, recs in by.items()}
@@ -57,21 +56,23 @@ def table(folder: Path, model, common: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
-def prompt_key(record: dict) -> tuple:
-    return record.get("length_budget"), record["task"], record["index"]
-
-
 def mib(values) -> str:
     return "-" if values is None else f"{sum(values) / len(values) / 2**20:.2f}"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("folder", type=Path)
+    p.add_argument("folders", type=Path, nargs="+")
     p.add_argument("--common", action="store_true", help="only the prompts every run has (a partial folder)")
+    p.add_argument("--labels", default=None, help="comma-separated runs (default: every run in the folders)")
     args = p.parse_args(argv)
-    config = json.loads((args.folder / "config.json").read_text())["config"]
-    print(table(args.folder, structkv.load(config["model"]), args.common), end="")
+    config = json.loads((args.folders[0] / "config.json").read_text())["config"]
+    labels = args.labels.split(",") if args.labels else None
+    try:
+        print(table(args.folders, structkv.load(config["model"]), args.common, labels), end="")
+    except ValueError as e:
+        print(f"kept_bytes: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -24,15 +24,12 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from structkv.harness.eval.runner import _read_predictions, settings_clash
+from structkv.harness.eval.folders import runs, settings_clash
 
 
 def scores(folder: Path) -> dict[str, dict[tuple, float]]:
     """label -> {(length, task, sample): score}."""
-    by: dict[str, dict] = defaultdict(dict)
-    for r in _read_predictions(folder / "predictions.jsonl").values():
-        by[r["label"]][(r["length_budget"], r["task"], r["index"])] = r["score"]
-    return by
+    return {label: {k: r["score"] for k, r in recs.items()} for label, recs in runs([folder]).items()}
 
 
 def comparisons(by: dict, other: dict, method: str, against: list[str]) -> list[tuple[str, str]]:

@@ -115,3 +115,27 @@ def test_common_subset_refuses_what_does_not_pair(common_subset, tmp_path, capsy
     assert "other settings" in capsys.readouterr().err
     assert common_subset.main([str(a), "--labels", "snapkv@0.2"]) == 2
     assert "no run ['snapkv@0.2']" in capsys.readouterr().err
+
+
+def test_kept_bytes_planned_against_measured(tiny_dir, tmp_path, capsys):
+    """kept_bytes.py recomputes a SnapKV record's kept bytes from its prompt length and flags a
+    measured value that disagrees; a propagating method has no planned value."""
+    import structkv
+
+    kept_bytes = script("kept_bytes")
+    model = structkv.load(str(tiny_dir("llama")))
+    cfg, n = model.config, 300
+    entries = sum(structkv.methods.get("snapkv", kv_budget=0.1).planned_kv_entries(cfg, n))
+    good = entries * 2 * cfg.head_dim * model.dtype.itemsize
+    f = folder(tmp_path / "f", {}, model=str(tiny_dir("llama")))
+    lines = [{"key": f"snapkv@0.1|{i}", "label": "snapkv@0.1", "method": "snapkv", "kv_budget": 0.1, "task": "a",
+              "index": i, "length_budget": 512, "prompt_tokens": n, "kv_bytes_kept": kept}
+             for i, kept in enumerate([good, good + 1])]
+    lines.append({"key": "structkv@0.1|0", "label": "structkv@0.1", "method": "structkv", "kv_budget": 0.1,
+                  "struct_budget": 0.2, "task": "a", "index": 0, "length_budget": 512, "prompt_tokens": n,
+                  "kv_bytes_kept": 1024 * 1024})
+    (f / "predictions.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    assert kept_bytes.main([str(f)]) == 0
+    rows = {r.split(" | ")[0]: r.split(" | ") for r in capsys.readouterr().out.splitlines()[2:]}
+    assert rows["| snapkv@0.1"][1:] == ["2", f"{(good + 0.5) / 2**20:.2f}", f"{good / 2**20:.2f}", "1 of 2 |"]
+    assert rows["| structkv@0.1"][1:] == ["1", "1.00", "-", "- |"]

@@ -353,14 +353,6 @@ def _check_settings(cfg: EvalConfig, out: Path) -> None:
         raise ValueError(f"{out} holds results made with other settings {clash}; choose another --out folder")
 
 
-def settings_clash(a: Path, b: Path) -> dict[str, tuple]:
-    """The identity settings in which two result folders differ ({} when their results mean the same
-    thing and prompts pair across them); a key older folders lack counts as its default."""
-    defaults = {f.name: f.default for f in fields(EvalConfig)}
-    conf = [defaults | json.loads((f / "config.json").read_text())["config"] for f in (a, b)]
-    return {k: (conf[0][k], conf[1][k]) for k in IDENTITY if conf[0].get(k) != conf[1].get(k)}
-
-
 def _open_output(cfg: EvalConfig, out: Path, name: str = "predictions.jsonl") -> dict[str, dict]:
     """Create or reopen the folder; returns the finished records of file `name` by key."""
     _check_settings(cfg, out)

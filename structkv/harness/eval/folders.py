@@ -1,0 +1,43 @@
+"""Reading finished result folders together: runs by label, prompts by key, and whether two folders
+pair (made with the same identity settings, so the same key means the same prompt and scoring)."""
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+
+from .runner import IDENTITY, EvalConfig, _read_predictions
+
+
+def settings_clash(a: Path, b: Path) -> dict[str, tuple]:
+    """The identity settings in which two result folders differ ({} when their results mean the same
+    thing and prompts pair across them); a key older folders lack counts as its default."""
+    defaults = {f.name: f.default for f in fields(EvalConfig)}
+    conf = [defaults | json.loads((f / "config.json").read_text())["config"] for f in (a, b)]
+    return {k: (conf[0][k], conf[1][k]) for k in IDENTITY if conf[0].get(k) != conf[1].get(k)}
+
+
+def prompt_key(record: dict) -> tuple:
+    """(length, task, sample): the same prompt in every run of folders that pair."""
+    return record.get("length_budget"), record["task"], record["index"]
+
+
+def runs(folders: list[Path], labels: list[str] | None = None) -> dict[str, dict[tuple, dict]]:
+    """label -> {prompt key: record} over folders that pair (only `labels` where given). Raises
+    ValueError naming the problem: folders made with other settings, a run in two folders, a label
+    in none."""
+    by: dict[str, dict] = {}
+    for folder in folders:
+        if clash := settings_clash(folders[0], folder):
+            raise ValueError(f"{folders[0]} and {folder} were run with other settings {clash}")
+        path = folder / "predictions.jsonl"
+        here: dict[str, dict] = {}
+        for r in _read_predictions(path if path.exists() else folder / "records.jsonl").values():
+            if labels is None or r["label"] in labels:
+                here.setdefault(r["label"], {})[prompt_key(r)] = r
+        if twice := set(here) & set(by):
+            raise ValueError(f"runs {sorted(twice)} are in {folder} and in an earlier folder; choose with --labels")
+        by |= here
+    if missing := [label for label in labels or [] if label not in by]:
+        raise ValueError(f"no run {missing} in {', '.join(map(str, folders))}")
+    return by
