@@ -221,7 +221,7 @@ class Gate:
 
 def test_full_queue_answers_503_with_retry_after(chat_model, monkeypatch):
     Gate(monkeypatch, 0.05)
-    body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 40}
+    body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 40, "temperature": 0}
     with Background(build(chat_model, settings(max_queue=1))) as srv:
         codes = []
         threads = [threading.Thread(target=lambda: codes.append(post(srv, "/v1/chat/completions", body).status_code))
@@ -239,7 +239,8 @@ def test_full_queue_answers_503_with_retry_after(chat_model, monkeypatch):
 
 def test_disconnect_mid_stream_frees_the_model(chat_model, monkeypatch):
     Gate(monkeypatch, 0.05)
-    body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 60, "stream": True}
+    body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 60, "stream": True,
+            "temperature": 0}  # greedy: a sampled end-of-turn could end it early by chance
     with Background(build(chat_model, settings())) as srv:
         with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
@@ -281,8 +282,11 @@ def test_cli_refuses_bad_settings_before_serving(chat_model, capsys):
 
 
 def test_shutdown_lets_running_requests_finish(chat_model, monkeypatch):
+    messages = [{"role": "user", "content": "x"}]
+    want = alone(chat_model, messages, max_new=30)  # greedy: sampling could end the answer early by chance
+    assert len(chat_model.tokenizer.encode(want, add_bos=False)) >= 20  # long enough to be running at stop()
     Gate(monkeypatch, 0.05)
-    body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 30}
+    body = {"model": NAME, "messages": messages, "max_tokens": 30, "temperature": 0}
     srv = Background(build(chat_model, settings()))
     result = {}
     t = threading.Thread(target=lambda: result.update(r=post(srv, "/v1/chat/completions", body)))
@@ -290,4 +294,4 @@ def test_shutdown_lets_running_requests_finish(chat_model, monkeypatch):
     time.sleep(0.5)  # running: 30 tokens take 1.5 s
     srv.stop()  # what SIGTERM does: stop accepting, finish what runs, close the engine
     t.join(30)
-    assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 30
+    assert result["r"].status_code == 200 and result["r"].json()["choices"][0]["message"]["content"] == want
