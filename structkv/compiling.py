@@ -4,7 +4,8 @@
 the compiled callable; it is what the decode step, the full prefill, the layer blocks of the
 compressed prefill and the int8 LM head use. Compiled calls raise dynamo's recompile limit only
 for themselves (every distinct model or batch size adds a cache entry for the same code), never
-for the whole process.
+for the whole process, and a call past that limit runs eager instead of failing (an evaluation of
+hundreds of prompts meets hundreds of compressed-cache shapes).
 
 Compiling the decode step makes each token cheaper, but the compile itself costs tens of
 seconds the first time on a machine and a few seconds when inductor's on-disk cache already
@@ -49,7 +50,13 @@ def compiled(fn, backend: str = "inductor", **options):
         @functools.wraps(fn)
         def call(*args, **kwargs):
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                return graph(*args, **kwargs)
+                try:
+                    return graph(*args, **kwargs)
+                except torch._dynamo.exc.FailOnRecompileLimitHit:
+                    # A long run meets more shapes than the limit (each compressed cache has its own
+                    # kept sizes): the graphs it has keep serving their shapes, a new one runs eager.
+                    # Dynamo raises before running anything, so the eager call is the first.
+                    return fn(*args, **kwargs)
 
         _COMPILED[key] = call
     return _COMPILED[key]
