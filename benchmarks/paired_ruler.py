@@ -67,12 +67,16 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     other_folder = args.against_folder or args.folder
-    if other_folder != args.folder and (clash := settings_clash(args.folder, other_folder)):
-        print(f"{args.folder} and {other_folder} were run with other settings {clash}; their prompts do not pair",
-              file=sys.stderr)
+    try:
+        if other_folder != args.folder and (clash := settings_clash(args.folder, other_folder)):
+            raise ValueError(f"{args.folder} and {other_folder} were run with other settings {clash}; "
+                             "their prompts do not pair")
+        by = scores(args.folder)
+        other = by if other_folder == args.folder else scores(other_folder)
+    except ValueError as e:
+        print(f"paired_ruler: {e}", file=sys.stderr)
         return 2
-    by, rng = scores(args.folder), random.Random(args.seed)
-    other = by if other_folder == args.folder else scores(other_folder)
+    rng = random.Random(args.seed)
     pairs = [(a, b) for a, b in comparisons(by, other, args.method, args.against.split(",")) if a in by]
     if not pairs:
         print(f"nothing to compare: runs in {args.folder}: {', '.join(sorted(by))}; "

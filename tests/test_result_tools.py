@@ -115,6 +115,12 @@ def test_common_subset_refuses_what_does_not_pair(common_subset, tmp_path, capsy
     assert "other settings" in capsys.readouterr().err
     assert common_subset.main([str(a), "--labels", "snapkv@0.2"]) == 2
     assert "no run ['snapkv@0.2']" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert common_subset.main([str(a), str(tmp_path / "empty")]) == 2
+    assert "no readable config.json" in capsys.readouterr().err
+    (a / "predictions.jsonl").unlink()
+    assert common_subset.main([str(a)]) == 2
+    assert "holds no predictions.jsonl" in capsys.readouterr().err
 
 
 def test_kept_bytes_planned_against_measured(tiny_dir, tmp_path, capsys):

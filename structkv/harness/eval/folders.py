@@ -13,8 +13,15 @@ def settings_clash(a: Path, b: Path) -> dict[str, tuple]:
     """The identity settings in which two result folders differ ({} when their results mean the same
     thing and prompts pair across them); a key older folders lack counts as its default."""
     defaults = {f.name: f.default for f in fields(EvalConfig)}
-    conf = [defaults | json.loads((f / "config.json").read_text())["config"] for f in (a, b)]
+    conf = [defaults | _config(f) for f in (a, b)]
     return {k: (conf[0][k], conf[1][k]) for k in IDENTITY if conf[0].get(k) != conf[1].get(k)}
+
+
+def _config(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "config.json").read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ValueError(f"{folder} has no readable config.json: not a finished `structkv eval` folder") from None
 
 
 def prompt_key(record: dict) -> tuple:
@@ -30,9 +37,11 @@ def runs(folders: list[Path], labels: list[str] | None = None) -> dict[str, dict
     for folder in folders:
         if clash := settings_clash(folders[0], folder):
             raise ValueError(f"{folders[0]} and {folder} were run with other settings {clash}")
-        path = folder / "predictions.jsonl"
+        path = next((folder / n for n in ("predictions.jsonl", "records.jsonl") if (folder / n).exists()), None)
+        if path is None:
+            raise ValueError(f"{folder} holds no predictions.jsonl (nor a fidelity records.jsonl)")
         here: dict[str, dict] = {}
-        for r in _read_predictions(path if path.exists() else folder / "records.jsonl").values():
+        for r in _read_predictions(path).values():
             if labels is None or r["label"] in labels:
                 here.setdefault(r["label"], {})[prompt_key(r)] = r
         if twice := set(here) & set(by):
