@@ -3,18 +3,16 @@ pair (made with the same identity settings, so the same key means the same promp
 from __future__ import annotations
 
 import json
-from dataclasses import fields
 from pathlib import Path
 
-from .runner import IDENTITY, EvalConfig, _read_predictions
+from .runner import IDENTITY, _read_predictions, identity
 
 
 def settings_clash(a: Path, b: Path) -> dict[str, tuple]:
     """The identity settings in which two result folders differ ({} when their results mean the same
     thing and prompts pair across them); a key older folders lack counts as its default."""
-    defaults = {f.name: f.default for f in fields(EvalConfig)}
-    conf = [defaults | _config(f) for f in (a, b)]
-    return {k: (conf[0][k], conf[1][k]) for k in IDENTITY if conf[0].get(k) != conf[1].get(k)}
+    ia, ib = identity(_config(a)), identity(_config(b))
+    return {k: (ia[k], ib[k]) for k in IDENTITY if ia[k] != ib[k]}
 
 
 def _config(folder: Path) -> dict:

@@ -336,6 +336,12 @@ def _repair_tail(path: Path) -> None:
                   "write); its sample is run again", file=sys.stderr)
 
 
+def identity(config: dict) -> dict:
+    """The identity settings of a stored config (a key older folders lack counts as its default)."""
+    defaults = {f.name: f.default for f in fields(EvalConfig)}
+    return {k: config.get(k, defaults.get(k)) for k in IDENTITY}
+
+
 def _check_settings(cfg: EvalConfig, out: Path) -> None:
     """Refuse a folder whose results were made with other settings (they would mean something else)."""
     conf_path = out / "config.json"
@@ -346,9 +352,8 @@ def _check_settings(cfg: EvalConfig, out: Path) -> None:
     except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
         raise ValueError(f"{conf_path} is unreadable, so the settings of the results in {out} are unknown; "
                          "restore it or choose another --out folder") from None
-    defaults = {f.name: f.default for f in fields(EvalConfig)}  # a key older folders lack: its default
-    clash = {k: (old.get(k, defaults.get(k)), getattr(cfg, k)) for k in IDENTITY
-             if old.get(k, defaults.get(k)) != getattr(cfg, k)}
+    old = identity(old)
+    clash = {k: (old[k], getattr(cfg, k)) for k in IDENTITY if old[k] != getattr(cfg, k)}
     if clash:
         raise ValueError(f"{out} holds results made with other settings {clash}; choose another --out folder")
 
