@@ -35,10 +35,8 @@ def method_of(record: dict):
     return methods.get(record["method"], **options)
 
 
-def table(folders: list[Path], model, common: bool = False, labels: list[str] | None = None) -> str:
-    cfg = model.config
-    per_entry = 2 * cfg.head_dim * model.dtype.itemsize  # K and V of one token, one KV head
-    by = {label: list(recs.values()) for label, recs in runs(folders, labels).items()}
+def render(by: dict[str, list[dict]], cfg, per_entry: int, common: bool) -> str:
+    """The table of kept MiB for runs read by `folders.runs` (label -> records)."""
     if common:  # only the prompts every run has, as benchmarks/common_subset.py compares them
         keys = set.intersection(*({prompt_key(r) for r in recs} for recs in by.values()))
         by = {label: [r for r in recs if prompt_key(r) in keys] for label, recs in by.items()}
@@ -66,10 +64,13 @@ def main(argv=None) -> int:
     p.add_argument("--common", action="store_true", help="only the prompts every run has (a partial folder)")
     p.add_argument("--labels", default=None, help="comma-separated runs (default: every run in the folders)")
     args = p.parse_args(argv)
-    config = json.loads((args.folders[0] / "config.json").read_text())["config"]
     labels = args.labels.split(",") if args.labels else None
     try:
-        print(table(args.folders, structkv.load(config["model"]), args.common, labels), end="")
+        by = {label: list(recs.values()) for label, recs in runs(args.folders, labels).items()}
+        # runs() has checked that every folder has a config.json made with the same settings
+        model = structkv.load(json.loads((args.folders[0] / "config.json").read_text())["config"]["model"])
+        per_entry = 2 * model.config.head_dim * model.dtype.itemsize  # K and V of one token, one KV head
+        print(render(by, model.config, per_entry, args.common), end="")
     except ValueError as e:
         print(f"kept_bytes: {e}", file=sys.stderr)
         return 2

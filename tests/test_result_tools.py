@@ -145,3 +145,6 @@ def test_kept_bytes_planned_against_measured(tiny_dir, tmp_path, capsys):
     rows = {r.split(" | ")[0]: r.split(" | ") for r in capsys.readouterr().out.splitlines()[2:]}
     assert rows["| snapkv@0.1"][1:] == ["2", f"{(good + 0.5) / 2**20:.2f}", f"{good / 2**20:.2f}", "1 of 2 |"]
     assert rows["| structkv@0.1"][1:] == ["1", "1.00", "-", "- |"]
+    (f / "config.json").unlink()  # named, not a traceback, before any model is loaded
+    assert kept_bytes.main([str(f)]) == 2
+    assert "no readable config.json" in capsys.readouterr().err
