@@ -1,13 +1,24 @@
-"""Choosing StructKV's settings on the development split with the fidelity metric.
+"""Choosing StructKV's settings on the development split: the fidelity metric and RULER accuracy.
 
 Every configuration below runs on the same RULER prompts (development split: `--seed 7`; the
 confirmation runs use the evals' default seed 42, never looked at while choosing), all in one
-shared prefill per prompt, and is scored by `structkv.harness.eval.fidelity.measure` (KL to the
-full cache over the full cache's greedy continuation, top-1 agreement, gold NLL). Records go to
-`--out/records.jsonl` (resumable) and the table to `--out/summary.md`.
+shared prefill per prompt. `--metric fidelity` (default) scores each by
+`structkv.harness.eval.fidelity.measure` (KL to the full cache over the full cache's greedy
+continuation, top-1 agreement, gold NLL): records in `--out/records.jsonl` (resumable), the table in
+`--out/summary.md`.
 
     python benchmarks/structkv_dev.py --model smollm2 --chat --lengths 2048 --samples 5 \
         --tasks niah_single_1,niah_multikey_1,vt,qa_1 --kv-budget 0.1 --out docs/results/structkv_dev_smollm2
+
+`--metric ruler` generates each configuration's answer and scores it as `structkv eval ruler` does,
+into an ordinary eval folder (config.json, predictions.jsonl, summary.md; each configuration's
+label is its run, `configurations.json` says what each label is), so that
+benchmarks/paired_ruler.py and common_subset.py read it:
+
+    python benchmarks/structkv_dev.py --metric ruler --model smollm2 --chat --lengths 2048 --samples 5 \
+        --tasks niah_single_1,niah_multikey_1,vt,qa_1 --kv-budget 0.1 --out docs/results/structkv_dev_ruler_smollm2
+    python benchmarks/paired_ruler.py docs/results/structkv_dev_ruler_smollm2 \
+        --method fixed15/32+pivotskel+guideS3 --against fastkv,snapkv
 """
 from __future__ import annotations
 
@@ -19,7 +30,7 @@ from pathlib import Path
 import structkv
 from structkv import methods
 from structkv.files import write_text_atomic
-from structkv.harness.eval import fidelity
+from structkv.harness.eval import fidelity, runner
 from structkv.harness.eval.runner import EvalConfig, build_samples
 
 
@@ -71,12 +82,18 @@ def main(argv=None) -> int:
     p.add_argument("--struct-budget", type=float, default=0.2)
     p.add_argument("--continuation", type=int, default=32)
     p.add_argument("--only", default=None, help="comma-separated labels to run")
+    p.add_argument("--metric", choices=("fidelity", "ruler"), default="fidelity")
+    p.add_argument("--eager", action="store_true", help="ruler: no torch.compile (as `structkv eval --eager`)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     model = structkv.load(args.model)
     configs = configurations(args.kv_budget, args.struct_budget)
     if args.only:
+        if unknown := set(args.only.split(",")) - set(configs) - {"full"}:
+            p.error(f"--only: no configuration {sorted(unknown)}; valid: full, {', '.join(configs)}")
         configs = {k: v for k, v in configs.items() if k in args.only.split(",")}
+    if args.metric == "ruler":
+        return ruler_accuracy(model, configs, args, argv)
     cfg = EvalConfig(benchmark="fidelity", model=args.model, tasks=args.tasks.split(","), samples=args.samples,
                      lengths=[args.lengths], seed=args.seed, chat=args.chat, continuation=args.continuation)
     out = Path(args.out)
@@ -105,6 +122,29 @@ def main(argv=None) -> int:
             f"tokens, seed {args.seed}{', chat' if args.chat else ''}, R_KV {args.kv_budget}, R_struct "
             f"{args.struct_budget}, {args.continuation}-token continuation\n\n"
             f"Command: python benchmarks/structkv_dev.py {' '.join(argv or sys.argv[1:])}\n\n")
+    write_text_atomic(out / "summary.md", head + table)
+    print(head + table)
+    return 0
+
+
+def ruler_accuracy(model, configs: dict, args, argv) -> int:
+    """RULER accuracy of every configuration (and the full cache) on the development prompts."""
+    runs = {"full": methods.get("full")} if not args.only or "full" in args.only.split(",") else {}
+    runs |= {f"{label}@{args.kv_budget:g}": m for label, m in configs.items()}
+    cfg = EvalConfig(benchmark="ruler", model=args.model, methods=sorted({m.name for m in runs.values()}),
+                     kv_budgets=[args.kv_budget], struct_budget=args.struct_budget, lengths=[args.lengths],
+                     tasks=args.tasks.split(","), samples=args.samples, seed=args.seed, chat=args.chat,
+                     compile=not args.eager)
+    out = Path(args.out)
+    result = runner.run(cfg, out, model, configs=runs)
+    known = out / "configurations.json"  # labels of earlier invocations (--only) stay described
+    described = json.loads(known.read_text()) if known.exists() else {}
+    write_text_atomic(known, json.dumps(described | {label: repr(m) for label, m in runs.items()}, indent=2))
+    head = (f"# StructKV development split, RULER accuracy: {args.model}, {args.tasks} x {args.samples} at "
+            f"{args.lengths} tokens, seed {args.seed}{', chat' if args.chat else ''}, R_KV {args.kv_budget}, "
+            f"R_struct {args.struct_budget}\n\nCommand: python benchmarks/structkv_dev.py "
+            f"{' '.join(argv or sys.argv[1:])}\n\n")
+    table = runner.summary_markdown(result)
     write_text_atomic(out / "summary.md", head + table)
     print(head + table)
     return 0

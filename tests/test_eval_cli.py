@@ -183,3 +183,27 @@ def test_longbench_runs_every_record_by_default_and_a_short_task_is_not_partial(
     assert "up to 10 record(s) per task" in heading and "not all scored" not in heading
     assert main(args + ["--samples", "2", "--report"]) == 0  # fewer asked: a complete table of 2
     assert "| 2 |" in (out / "summary.md").read_text()
+
+
+def test_configurations_run_under_their_own_labels(byte_model_dir, tmp_path):
+    """`runner.run(configs=...)` (a development sweep): each method instance runs under its label,
+    the records name the method that ran, the table names the label, and a configuration equal to a
+    registry run predicts exactly what the registry run does."""
+    common = dict(benchmark="ruler", model=str(byte_model_dir), kv_budgets=[0.2], lengths=[1536],
+                  tasks=["niah_single_1"], samples=2, compile=False)
+    plain = runner.EvalConfig(methods=["full", "structkv"], **common)
+    runner.run(plain, tmp_path / "plain", progress=False)
+    configs = {"full": methods.get("full"), "structkv@0.2": runner.make_method(plain, "structkv", 0.2),
+               "unguided@0.2": methods.get("structkv", kv_budget=0.2, r_struct=0.2, beta=0.0)}
+    swept = runner.EvalConfig(methods=["full", "structkv"], **common)
+    result = runner.run(swept, tmp_path / "swept", progress=False, configs=configs)
+
+    before = {p["key"]: p for p in _lines(tmp_path / "plain" / "predictions.jsonl")}
+    after = {p["key"]: p for p in _lines(tmp_path / "swept" / "predictions.jsonl")}
+    assert len(after) == 3 * 2 and set(before) < set(after)
+    for key, p in before.items():
+        assert (after[key]["prediction"], after[key]["kv_bytes_kept"]) == (p["prediction"], p["kv_bytes_kept"])
+    unguided = [p for p in after.values() if p["label"] == "unguided@0.2"]
+    assert len(unguided) == 2 and {p["method"] for p in unguided} == {"structkv"}
+    assert sorted(r["run"] for r in result["rows"]) == ["full", "structkv", "unguided"]
+    assert "| unguided | 0.2 | 1536 |" in (tmp_path / "swept" / "summary.md").read_text()

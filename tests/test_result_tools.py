@@ -148,3 +148,26 @@ def test_kept_bytes_planned_against_measured(tiny_dir, tmp_path, capsys):
     (f / "config.json").unlink()  # named, not a traceback, before any model is loaded
     assert kept_bytes.main([str(f)]) == 2
     assert "no readable config.json" in capsys.readouterr().err
+
+
+def test_dev_sweep_ruler_accuracy_is_an_eval_folder(byte_model_dir, tmp_path, paired_ruler, capsys):
+    """structkv_dev.py --metric ruler writes an eval folder of its configurations (labels described
+    in configurations.json) that paired_ruler.py reads; an unknown --only label is named."""
+    dev = script("structkv_dev")
+    out = tmp_path / "dev"
+    args = ["--metric", "ruler", "--model", str(byte_model_dir), "--lengths", "1536", "--samples", "2",
+            "--tasks", "niah_single_1", "--kv-budget", "0.2", "--eager", "--out", str(out)]
+    assert dev.main([*args, "--only", "full,fastkv,fixed15/32+pivotskel+guideS3"]) == 0
+    records = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert sorted({r["label"] for r in records}) == ["fastkv@0.2", "fixed15/32+pivotskel+guideS3@0.2", "full"]
+    assert len(records) == 3 * 2 and all(0 <= r["score"] <= 1 for r in records)
+    described = json.loads((out / "configurations.json").read_text())
+    assert "beta=3.0" in described["fixed15/32+pivotskel+guideS3@0.2"] and "StructKV(" in described[
+        "fixed15/32+pivotskel+guideS3@0.2"]
+    assert "| fixed15/32+pivotskel+guideS3 | 0.2 | 1536 |" in (out / "summary.md").read_text()
+    capsys.readouterr()
+    assert paired_ruler.main([str(out), "--method", "fixed15/32+pivotskel+guideS3", "--against", "fastkv"]) == 0
+    assert "fastkv@0.2" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        dev.main([*args, "--only", "nonesuch"])
+    assert "no configuration ['nonesuch']" in capsys.readouterr().err

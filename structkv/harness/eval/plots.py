@@ -23,12 +23,12 @@ def plot_all(result: dict, records: list[dict], out: Path) -> list[str]:
             # so the x axis is the kept KV MiB where the records have it, else the budget asked for.
             kept = all(r.get("kv_bytes_kept") is not None for r in at)
             x = (lambda r: r["kv_bytes_kept"] / 2**20) if kept else (lambda r: r["kv_budget"])
-            for j, method in enumerate(sorted({r["method"] for r in at if r["kv_budget"] is not None})):
-                pts = sorted((x(r), r["average"]) for r in at if r["method"] == method)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[j % len(markers)], label=method)
+            for j, run in enumerate(sorted({r["run"] for r in at if r["kv_budget"] is not None})):
+                pts = sorted((x(r), r["average"]) for r in at if r["run"] == run)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[j % len(markers)], label=run)
             for r in at:
                 if r["kv_budget"] is None:
-                    ax.axhline(r["average"], color="black", linestyle="--", label=r["method"])
+                    ax.axhline(r["average"], color="black", linestyle="--", label=r["run"])
             ax.set(xlabel="KV kept (MiB, mean per prompt)" if kept else "KV budget (fraction of the prompt)",
                    ylabel="average score", title=f"{length} tokens")
             ax.legend(fontsize=7)

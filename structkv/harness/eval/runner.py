@@ -138,8 +138,11 @@ class EvalConfig:
         return ["niah"]
 
 
-def method_runs(cfg: EvalConfig) -> list[tuple[str, str, float | None]]:
-    """(label, method name, KV budget): `full` once, every other method once per budget."""
+def method_runs(cfg: EvalConfig, configs: dict | None = None) -> list[tuple[str, str, float | None]]:
+    """(label, method name, KV budget): `full` once, every other method once per budget; or, given
+    `configs` (label -> method instance), one run per configuration under its own label."""
+    if configs is not None:
+        return [(label, m.name, getattr(m, "kv_budget", None)) for label, m in configs.items()]
     runs = []
     for name in cfg.methods:
         if name == "full":
@@ -401,8 +404,14 @@ class Progress:
             print(file=sys.stderr)
 
 
-def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool = True) -> dict:
-    """Run (or resume) the evaluation into `out`; returns the metrics (also written as files)."""
+def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool = True,
+        configs: dict | None = None) -> dict:
+    """Run (or resume) the evaluation into `out`; returns the metrics (also written as files).
+
+    configs: label -> method instance, run instead of the registry's `cfg.methods` x `cfg.kv_budgets`
+    (a development sweep over one method's options, benchmarks/structkv_dev.py); each label names
+    its run in the records and tables ("name@budget" reads as a method at a budget).
+    """
     if model is None:
         from ...models import load
         model = load(cfg.model)
@@ -412,7 +421,11 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
     out = Path(out)
     done = _open_output(cfg, out)
     samples = build_samples(cfg, model.tokenizer, progress)
-    runs = method_runs(cfg)
+    runs = method_runs(cfg, configs)
+
+    def method(label, name, budget):
+        return configs[label] if configs is not None else make_method(cfg, name, budget)
+
     to_compute = sum(sample_key(label, sample) not in done for label, _, _ in runs for sample in samples)
     bar = Progress(len(runs) * len(samples), to_compute, progress)
     with (out / "predictions.jsonl").open("a") as sink:
@@ -446,7 +459,7 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
                     if sample_key(label, sample) in done:
                         bar.step(_what(label, sample), skipped=True)
                     else:
-                        todo.append((label, name, budget, make_method(cfg, name, budget)))
+                        todo.append((label, name, budget, method(label, name, budget)))
                 if not todo:
                     continue
                 graphs = _graphs_compiled()
@@ -458,19 +471,19 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
                          decode_rows=s["decode_rows"], decode_s=s["decode_s"])
         else:
             for label, name, budget in runs:
-                method = make_method(cfg, name, budget)
+                m = method(label, name, budget)
                 for sample in samples:
                     if sample_key(label, sample) in done:
                         bar.step(_what(label, sample), skipped=True)
                         continue
                     graphs = _graphs_compiled()
-                    result = _run_alone(model, sample, method, _cap(cfg, sample), cfg.compile)
+                    result = _run_alone(model, sample, m, _cap(cfg, sample), cfg.compile)
                     file(label, name, budget, sample, result, graphs)
     bar.close()
-    return _report(cfg, out, done)
+    return _report(cfg, out, done, configs=configs)
 
 
-def report(cfg: EvalConfig, out: str | os.PathLike, *, write: bool = True) -> dict:
+def report(cfg: EvalConfig, out: str | os.PathLike, *, write: bool = True, configs: dict | None = None) -> dict:
     """Rebuild metrics.json, summary.md and the plots from the predictions so far, computing
     nothing (e.g. while a long run is still going, or after it was stopped). The settings must be
     the folder's own, as for a rerun. `write=False` only returns (and the CLI prints) the
@@ -481,21 +494,22 @@ def report(cfg: EvalConfig, out: str | os.PathLike, *, write: bool = True) -> di
     _check_settings(cfg, out)
     if write and not os.access(out, os.W_OK):
         raise PermissionError(f"{out} is not writable; add --no-write to print the report without writing files")
-    return _report(cfg, out, _read_predictions(out / "predictions.jsonl"), write=write)
+    return _report(cfg, out, _read_predictions(out / "predictions.jsonl"), write=write, configs=configs)
 
 
-def _wanted(cfg: EvalConfig) -> set[str]:
+def _wanted(cfg: EvalConfig, configs: dict | None = None) -> set[str]:
     """The keys of every prediction the run asks for (a task may hold fewer samples than asked)."""
     depths = cfg.depths if cfg.benchmark == "niah" else [None]
     per_task = {task: cfg.task_samples(task) for task in (cfg.tasks or cfg.all_tasks())}  # one file read per task
     return {sample_key(label, {"length_budget": n, "task": task, "index": i,
                                **({"depth": d} if d is not None else {})})
-            for label, _, _ in method_runs(cfg) for n in cfg.lengths for task, count in per_task.items()
+            for label, _, _ in method_runs(cfg, configs) for n in cfg.lengths for task, count in per_task.items()
             for d in depths for i in range(count)}
 
 
-def _report(cfg: EvalConfig, out: Path, done: dict[str, dict], *, write: bool = True) -> dict:
-    wanted = _wanted(cfg)
+def _report(cfg: EvalConfig, out: Path, done: dict[str, dict], *, write: bool = True,
+            configs: dict | None = None) -> dict:
+    wanted = _wanted(cfg, configs)
     records = [r for k, r in done.items() if k in wanted]
     if not records:
         raise ValueError(f"{out} holds no predictions for these settings yet")
@@ -567,7 +581,7 @@ def aggregate(records: list[dict]) -> dict:
     rows: dict[str, dict] = {}
     for r in records:
         row = rows.setdefault(f"{r['label']}|{r['length_budget']}", {
-            "label": r["label"], "method": r["method"], "kv_budget": r["kv_budget"],
+            "label": r["label"], "run": r["label"].split("@")[0], "method": r["method"], "kv_budget": r["kv_budget"],
             "struct_budget": r["struct_budget"], "length": r["length_budget"], "tasks": {}, "_recs": []})
         if row["method"] != r["method"]:
             raise ValueError(f"label {r['label']!r} holds results of two methods: {row['method']!r} and "
@@ -615,7 +629,7 @@ def summary_markdown(result: dict, cfg: EvalConfig | None = None) -> str:
                      f"{chat}\n")
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["method"], "-" if r["kv_budget"] is None else f"{r['kv_budget']:g}", str(r["length"])]
+        cells = [r["run"], "-" if r["kv_budget"] is None else f"{r['kv_budget']:g}", str(r["length"])]
         cells += [f"{r['tasks'][t]:.1f}" if t in r["tasks"] else "" for t in tasks]
         cells += [f"{r['average']:.1f}", str(sum(r["n"].values())), f"{r['prefill_s']:.2f}",
                   f"{r['prefill_fraction']:.2f}",
