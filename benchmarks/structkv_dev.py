@@ -16,8 +16,9 @@ label is its run, `configurations.json` says what each label is), so that
 benchmarks/paired_ruler.py and common_subset.py read it:
 
     python benchmarks/structkv_dev.py --metric ruler --model smollm2 --chat --lengths 2048 --samples 5 \
-        --tasks niah_single_1,niah_multikey_1,vt,qa_1 --kv-budget 0.1 --out docs/results/structkv_dev_ruler_smollm2
-    python benchmarks/paired_ruler.py docs/results/structkv_dev_ruler_smollm2 \
+        --tasks niah_single_1,niah_multikey_1,vt,qa_1 --kv-budget 0.1 \
+        --out docs/results/structkv_dev_ruler_smollm2_kv0.1
+    python benchmarks/paired_ruler.py docs/results/structkv_dev_ruler_smollm2_kv0.1 \
         --method fixed15/32+pivotskel+guideS3 --against fastkv,snapkv
 """
 from __future__ import annotations
