@@ -31,8 +31,7 @@ from structkv.harness.eval.folders import prompt_key, runs
 
 
 def method_of(record: dict):
-    options = methods.budget_options(record["method"], record.get("kv_budget"), record.get("struct_budget"))
-    return methods.get(record["method"], **options)
+    return methods.build(record["method"], kv=record.get("kv_budget"), struct=record.get("struct_budget"))
 
 
 def render(by: dict[str, list[dict]], cfg, per_entry: int, common: bool) -> str:

@@ -24,7 +24,7 @@ DEFAULT_METHODS = "full,streaming_llm,snapkv,pyramidkv,h2o,gemfilter,fastkv,stru
 
 
 def build(name: str, kv: float, struct: float):
-    return methods.get(name, **methods.budget_options(name, kv, struct))
+    return methods.build(name, kv=kv, struct=struct)
 
 
 @torch.inference_mode()

@@ -22,7 +22,7 @@ import sys
 import torch
 
 import structkv
-from structkv.compress import Stream, layer_block
+from structkv.compress import compress_shared
 from structkv.harness.eval.runner import EvalConfig, build_samples
 from structkv.modules import pooled_saliency
 
@@ -54,17 +54,16 @@ def ranked_stats(saliency: torch.Tensor, window: int, sinks: int, topk: float) -
 def curves(model, ids: list[int], answer: list[int], window: int, sinks: int, topk: float, keep: float,
            decay: float) -> list[dict]:
     tokens = torch.tensor([ids])
-    stream = Stream.start(model, tokens, torch.arange(len(ids))[None])
-    block, rows = layer_block(False, model.config), []
-    n = len(ids)
+    rows, n = [], len(ids)
     k_keep = int(keep * n)
     centrality = torch.zeros(n)
     ranked = torch.zeros(n, dtype=torch.bool)
     ranked[sinks:n - window] = True
-    for i in range(model.config.num_layers):
-        view = stream.view(i, stream.run_layer(model, i, block), model.config.scale, structkv.timing.NO_TIMER)
-        if i not in model.config.full_attention_layers:
-            continue
+
+    def observe(view):  # every layer of the one prefill loop, uncompressed
+        nonlocal centrality
+        if view.layer not in model.config.full_attention_layers:
+            return
         sal, _ = view.window_scores(window)  # (1, Hkv, n)
         pooled = pooled_saliency(sal, window, 7, "max")[0].sum(0)  # (n,)
         centrality = decay * centrality + pooled
@@ -74,8 +73,11 @@ def curves(model, ids: list[int], answer: list[int], window: int, sinks: int, to
         def recall(score):
             top = torch.where(ranked, score, torch.tensor(-1.0)).topk(k_keep).indices.tolist()
             return sum(c in set(top) for c in answer) / max(1, len(answer))
-        rows.append({"layer": i, "H": h, "rho": rho, "V": var, "sink": sink, "recall_S": recall(pooled),
+        rows.append({"layer": view.layer, "H": h, "rho": rho, "V": var, "sink": sink, "recall_S": recall(pooled),
                      "recall_C": recall(centrality)})
+
+    compress_shared(model, tokens, torch.arange(n)[None], [structkv.Full()], room=0,
+                    timer=structkv.timing.NO_TIMER, observe=observe)
     return rows
 
 

@@ -37,11 +37,11 @@ from structkv.harness.eval.runner import EvalConfig, build_samples
 
 def configurations(kv: float, rs: float) -> dict:
     """Label -> method: the baselines, the paper's reading and the options of docs/methods.md."""
-    sk = dict(kv_budget=kv, r_struct=rs)
+    sk = dict(kv_budget=kv, struct_budget=rs)
     return {
         "snapkv": methods.get("snapkv", kv_budget=kv),
         "pyramidkv": methods.get("pyramidkv", kv_budget=kv),
-        "fastkv": methods.get("fastkv", kv_budget=kv, tsp_rate=rs),
+        "fastkv": methods.get("fastkv", kv_budget=kv, struct_budget=rs),
         "structkv_paper": methods.get("structkv_paper", **sk),
         "confirm2": methods.StructKV(**sk, confirm=2),
         "confirm2+eq": methods.StructKV(**sk, confirm=2, equal_compute=True),

@@ -38,12 +38,12 @@ def _demo(args) -> int:
     _writable_folder(args.out, "--out")
     torch.set_num_threads(args.threads or torch.get_num_threads())
     cfg = EvalConfig(benchmark="ruler", model=args.model, methods=DEMO_METHODS, kv_budgets=[args.kv_budget],
-                     struct_budget=args.r_struct, lengths=[args.tokens], tasks=DEMO_TASKS, samples=args.samples,
+                     struct_budget=args.struct_budget, lengths=[args.tokens], tasks=DEMO_TASKS, samples=args.samples,
                      max_new_tokens=24, data_dir=args.data, compile=not args.eager)
     t0 = time.perf_counter()
     result = run(cfg, args.out, progress=True)
     print(f"\nRULER {', '.join(DEMO_TASKS)} at {args.tokens} tokens, {args.samples} samples each, "
-          f"R_KV {args.kv_budget}, R_struct {args.r_struct} ({time.perf_counter() - t0:.0f} s incl. compiles)\n")
+          f"R_KV {args.kv_budget}, R_struct {args.struct_budget} ({time.perf_counter() - t0:.0f} s incl. compiles)\n")
     print(summary_markdown(result))
     print("prefill s and decode tok/s are medians over calls that did not compile; KV MiB kept counts the "
           "entries the compression kept in every layer (after FastKV's or StructKV's propagation, Gemma 3's "
@@ -80,9 +80,7 @@ def _generate(args) -> int:
 
     prompt = _read_prompt(args)
     _writable(cache_root(), "the cache folder", "set STRUCTKV_CACHE to a writable folder")
-    options = {k: v for k, v in methods.budget_options(args.method, args.kv_budget, args.struct_budget).items()
-               if v is not None}
-    method = methods.get(args.method, **options)
+    method = methods.build(args.method, kv=args.kv_budget, struct=args.struct_budget)
     model = structkv.load(args.model, dtype=args.dtype, tp=args.tp)
     if _rank():  # under torchrun every rank generates the same tokens; rank 0 prints them
         sys.stdout = open(os.devnull, "w")
@@ -171,6 +169,30 @@ def _positive_int(text):
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+class _Renamed(argparse.Action):
+    """An option that was renamed: refused with the new name (hidden from --help)."""
+
+    def __init__(self, *args, new: str, **kwargs):
+        super().__init__(*args, help=argparse.SUPPRESS, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is now {self.new}")
+
+
+def _budget_options(parser, kv_default, struct_default, kv_help=None, csv=False) -> None:
+    """--kv-budget and --struct-budget, the same at every door (a list for eval's grid). They stay
+    text here: each door parses them once with `Budget.parse` ("0.1" a ratio, "512" a count), so
+    a bad one is a clear error line there."""
+    parser.add_argument("--kv-budget", type=_csv(str) if csv else str, default=kv_default,
+                        help=kv_help or "R_KV: entries of the prompt kept per layer, a ratio in (0, 1] (0.1) or a "
+                                        "token count (512)" + ("; comma-separated for a grid" if csv else ""))
+    parser.add_argument("--struct-budget", default=struct_default,
+                        help="R_struct: tokens that go on past the propagation layer (StructKV, FastKV), a ratio "
+                             "or a token count like --kv-budget")
+    parser.add_argument("--r-struct", "--tsp-rate", action=_Renamed, new="--struct-budget")
 
 
 def _csv(kind):
@@ -304,8 +326,7 @@ def main(argv=None) -> int:
     d.add_argument("--out", default="demo_results", help="result folder (rerunning resumes)")
     d.add_argument("--threads", type=_positive_int, default=None)
     d.add_argument("--eager", action="store_true", help="skip torch.compile")
-    d.add_argument("--kv-budget", type=float, default=0.1)
-    d.add_argument("--r-struct", type=float, default=0.2)
+    _budget_options(d, 0.1, 0.2)
     d.set_defaults(fn=_demo)
     g = sub.add_parser("generate", help="continue a prompt, or answer questions about a compressed document",
                        description=GENERATE_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -322,11 +343,8 @@ def main(argv=None) -> int:
                         "(with --question: the document is one user turn, compressed; each question another)")
     g.add_argument("--system", default=None, help="with --chat: a system message first")
     g.add_argument("--method", default="full", help="compression method: " + ", ".join(_method_names()))
-    g.add_argument("--kv-budget", type=float, default=None,
-                   help="R_KV: share (0-1] or count (>1) of prompt KV entries kept per layer (method default if unset)")
-    g.add_argument("--struct-budget", type=float, default=None,
-                   help="R_struct: share of tokens that go on past the propagation layer (StructKV's r_struct, "
-                        "FastKV's tsp_rate)")
+    _budget_options(g, None, None, "R_KV: entries of the prompt kept per layer, a ratio in (0, 1] (0.1) or a token "
+                                   "count (512); the method's default if unset")
     g.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -347,8 +365,7 @@ def main(argv=None) -> int:
     e.add_argument("--model", default="gemma-3-270m", help="alias, HF folder, .gguf file or Hub id")
     e.add_argument("--methods", type=_csv(str), default=["full", "snapkv", "fastkv", "structkv"],
                    help="comma-separated registry names (structkv.methods.names())")
-    e.add_argument("--kv-budget", type=_csv(float), default=[0.1], help="R_KV ratios, e.g. 0.1,0.2")
-    e.add_argument("--struct-budget", type=float, default=0.2, help="R_struct (FastKV: its TSP rate)")
+    _budget_options(e, [0.1], 0.2, csv=True)
     e.add_argument("--lengths", type=_csv(int), default=[4096], help="prompt budgets in tokens")
     e.add_argument("--tasks", type=_csv(str), default=None, help="default: every task of the benchmark")
     e.add_argument("--samples", type=int, default=None,
@@ -391,8 +408,7 @@ def main(argv=None) -> int:
                         "llama-3.1-8b)")
     b.add_argument("--methods", type=_csv(str), default=["full", "snapkv", "fastkv", "structkv"])
     b.add_argument("--lengths", type=_csv(int), default=[4096])
-    b.add_argument("--kv-budget", type=float, default=0.1)
-    b.add_argument("--struct-budget", type=float, default=0.2)
+    _budget_options(b, 0.1, 0.2)
     b.add_argument("--pivot", default=None,
                    help="pivot of every structkv* method: dynamic or a depth fraction such as 0.5 (default: each "
                         "method's own)")
@@ -417,8 +433,8 @@ def main(argv=None) -> int:
     s.add_argument("--served-name", default=None, help="the model id clients send (default: --model)")
     s.add_argument("--method", default="structkv", help="default compression method (requests may override): "
                    + ", ".join(_method_names()))
-    s.add_argument("--kv-budget", type=float, default=None, help="default R_KV (method default if unset)")
-    s.add_argument("--struct-budget", type=float, default=None, help="default R_struct")
+    _budget_options(s, None, None, "default R_KV of requests that give none, a ratio in (0, 1] (0.1) or a token "
+                                   "count (512); the method's default if unset")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--cache-bytes", type=_bytes, default=1 << 30,

@@ -1,27 +1,38 @@
-"""compress: the prefill loop of every method, one layer at a time.
+"""compress: the one prefill loop, for one method or many at once.
 
-Per layer: run the block on the current tokens; if the method's plan selects this layer's KV,
-rank the tokens by `method.kv_scores` and keep the window plus the best (`select_tokens`); store
-the layer's entries in the cache; let the method's propagation decide whether only some tokens
-go on. Deeper layers then compute on fewer tokens: the prefill saving, reported as the fraction
-of token-layers computed. GemFilter's propagation restarts instead: the whole model re-encodes
-its selected tokens with renumbered positions.
+The loop is `Decoder.run` with an `on_layer` hook. Per layer, for every method riding the current
+token stream: if its plan selects this layer's KV, rank the tokens by `method.kv_scores` and keep
+the window plus the best (`Retention`); store the layer's entries in its cache; let its
+propagation decide whether only some tokens go on. Deeper layers then compute on fewer tokens:
+the prefill saving, reported as the fraction of token-layers computed.
+
+Many methods share one pass. Methods with equal `prefill_key` form a lane: they compute the same
+hidden states (full, StreamingLLM, SnapKV, PyramidKV, H2O at any budgets; FastKV or StructKV at
+several KV budgets) and differ only in what each layer's cache keeps. All lanes ride one stream
+until a lane propagates (FastKV's TSP layer, StructKV's pivot) and forks off with its own
+tokens; the stream goes on as that fork when no lane is left on it, otherwise the fork runs from
+the next layer after it. GemFilter's propagation restarts instead: the engine re-encodes the kept
+tokens (renumbered) with the full cache. Scores are computed once per stream and layer
+(`LayerView` memoises them). `compress(model, ..., method)` is this engine with one method;
+calibration (`structkv.calibration`) is this engine with an observer.
 
 Every token carries its original position (left padding = -1), so a kept subset attends exactly
 as it would in the full prompt. Hybrid models (Gemma 3): only full-attention layers are planned or
-scored; sliding layers keep their window as a ring (after a propagation: the skeleton's tokens
-in it). `structkv.shared.compress_shared` runs many methods in one pass with the same per-layer
-pieces (`Stream`, `LayerView`, `Retention`).
+scored; sliding layers keep their window as a ring.
+
+Timings go to a `Ledger`: with more than one method, a state's `prefill_s` is the work its method
+needed, shared work counted in full (what it would have cost alone); `stats.shared_prefill` has
+the whole pass and the time no phase accounts for (`untimed_s`, charged to every method).
 """
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .methods import Full, Method
-from .models.decoder import run_block
+from .models.decoder import STOP, run_block
 from .models.kv_cache import BudgetedKVCache
 from .modules import LayerView
 from .prompts import encode_batch, is_batch
@@ -52,13 +63,11 @@ class CompressedState:
 
 @dataclass
 class Stream:
-    """The tokens still computed: hidden states (B, n, E), original positions and prompt columns
-    (B, n), and their RoPE tables."""
+    """The tokens still computed: hidden states (B, n, E), original positions and prompt columns (B, n)."""
 
     h: torch.Tensor
     positions: torch.Tensor
     columns: torch.Tensor
-    rope: dict
     tp: object = None  # the model's TensorParallel group, if it is one rank's shard
 
     @classmethod
@@ -66,28 +75,71 @@ class Stream:
         B, S = tokens.shape
         pos = positions.clone()  # an inference tensor like every later one: no recompile after propagation
         cols = torch.arange(S, device=tokens.device).expand(B, S)
-        return cls(model.embed(tokens), pos, cols, model.rope_tables(pos), getattr(model, "tp", None))
+        return cls(model.embed(tokens), pos, cols, getattr(model, "tp", None))
 
-    def run_layer(self, model, i: int, block) -> tuple:
-        """Layer `i` on the current tokens (in place); returns its (q, k, v)."""
-        cos, sin = self.rope[model.config.layer_types[i]]
-        self.h, q, k, v = block(model.model.layers[i], self.h, self.positions, cos, sin)
-        return q, k, v
-
-    def view(self, i: int, qkv: tuple, scale: float, timer: Timer) -> LayerView:
-        return LayerView(i, *qkv, self.positions, self.columns, scale, timer=timer, tp=self.tp)
+    def view(self, i: int, q, k, v, scale: float, timer: Timer) -> LayerView:
+        return LayerView(i, q, k, v, self.positions, self.columns, scale, timer=timer, tp=self.tp)
 
     def kept_columns(self) -> torch.Tensor:
         """(B, n) prompt columns of the current tokens, -1 on padding."""
         return torch.where(self.positions >= 0, self.columns, torch.full_like(self.columns, -1))
 
-    def gather(self, model, pruner, indices: torch.Tensor) -> "Stream":
+    def gather(self, pruner, indices: torch.Tensor) -> "Stream":
         """The kept tokens (B, K) as a new stream, original positions kept."""
         h, cols, pos = pruner.gather(indices, self.h, self.columns, positions=self.positions)
-        return Stream(h, pos, cols, model.rope_tables(pos), self.tp)
+        return Stream(h, pos, cols, self.tp)
 
 
-def plan_method(model, method: Method, lengths, num_tokens: int, room: int):
+@dataclass
+class _Target:
+    """One method's share of the pass: its plan, propagation and cache (`Retention`, None when it
+    restarts), and the seconds of the work it needed (the ledger's account)."""
+
+    method: Method
+    plan: dict[int, list[int]]
+    prop: object
+    store: object
+    own: Timer = field(default_factory=lambda: Timer(enabled=False))  # phase totals, filled by the ledger
+    other_s: float = 0.0  # layer blocks, logits, restart
+    state: CompressedState | None = None
+
+
+@dataclass
+class _Lane:
+    """Methods with one `prefill_key`: they propagate the same tokens, by the first one's rule."""
+
+    targets: list[_Target]
+    prop: object  # the lead method's Propagation, or None
+    processed: list = field(default_factory=list)  # tokens computed per layer (0-d tensors: no host sync)
+    done: bool = False
+
+
+class Ledger:
+    """Where the seconds of a pass go: the phase timer (`timer`) and, per method, what it would
+    have cost alone. A disabled timer times nothing (no GPU syncs); each state's `prefill_s` is
+    then the whole pass."""
+
+    def __init__(self, timer: Timer):
+        self.timer, self.mark = timer, clock(sync=timer.enabled)
+
+    def since_mark(self) -> float:
+        """Seconds since the last mark (the layer block the loop just ran), and a new mark."""
+        now = clock(sync=self.timer.enabled)
+        spent, self.mark = now - self.mark, now
+        return spent if self.timer.enabled else 0.0
+
+    def charge(self, targets, seconds: float, phase: str | None = None) -> None:
+        """Charge `seconds` of shared work (a layer block, the logits, a restart) to each target;
+        `phase`: also count them in the timer's phase (None: the timer already did)."""
+        if not self.timer.enabled:
+            return
+        if phase is not None:
+            self.timer.totals[phase] += seconds
+        for t in targets:
+            t.other_s += seconds
+
+
+def plan_method(model, method: Method, lengths, num_tokens: int, room: int) -> _Target:
     """The method's per-layer KV plan, its propagation and the `Retention` that fills its cache
     (None when the propagation restarts: the restart makes the cache)."""
     cfg = model.config
@@ -95,7 +147,7 @@ def plan_method(model, method: Method, lengths, num_tokens: int, room: int):
     budgets = [max(plan[i]) if i in plan else num_tokens for i in range(cfg.num_layers)]
     cache = None if prop is not None and prop.restart else BudgetedKVCache.for_model(
         cfg, len(lengths), budgets, room, model.dtype, model.device)
-    return plan, prop, None if cache is None else method.retention(plan, cache)
+    return _Target(method, plan, prop, None if cache is None else method.retention(plan, cache))
 
 
 def check_scorable(cfg) -> None:
@@ -112,38 +164,181 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
     `compile`: False (eager), True (inductor) or a backend: each layer block runs compiled with a
     dynamic length. `timer`: a `structkv.timing.Timer` to fill the phase times of the stats.
     """
-    method, cfg, S = method or Full(), model.config, tokens.shape[1]
+    return compress_shared(model, tokens, positions, [method], room, compile, timer=timer)[0]
+
+
+@torch.inference_mode()
+def compress_shared(model, tokens: torch.Tensor, positions: torch.Tensor, methods: list[Method],
+                    room: int = 256, compile=False, timer: Timer | None = None, observe=None) -> list[CompressedState]:
+    """Compress `tokens` (B, S) at `positions` with every method of `methods` in one pass; the
+    states come back in the order of `methods`. `timer`: phase timer (default: one, so each
+    method's share can be told); `observe(view)`: called with every layer's `LayerView` of the
+    first stream (calibration reads the pivot statistics there)."""
+    methods = [m or Full() for m in methods]
+    if not methods:
+        raise ValueError("compress_shared needs at least one method")
+    cfg = model.config
     check_scorable(cfg)
+    ledger = Ledger(Timer() if timer is None else timer)
     t0, lengths = clock(), (positions >= 0).sum(1)
-    plan, prop, store = plan_method(model, method, lengths, S, room)
-    if prop is not None:
-        prop.begin(S, tokens.device)
-    stream, block, processed = Stream.start(model, tokens, positions), layer_block(compile, cfg), []
-    for i in range(cfg.num_layers):
-        with timer.phase("blocks"):
-            view = stream.view(i, stream.run_layer(model, i, block), cfg.scale, timer)
-        processed.append(int(view.valid.sum()))
-        if store is not None:
-            with timer.phase("selection"):
-                store.layer(view)
-        kept = None
+    with ledger.timer.phase("plan"):
+        targets = [plan_method(model, m, lengths, tokens.shape[1], room) for m in methods]
+    lanes = _lanes(targets, tokens)
+    block = layer_block(compile, cfg)
+    pending = [(0, Stream.start(model, tokens, positions), lanes, observe)]
+    while pending:
+        _run_stream(model, tokens, *pending.pop(0), pending, lengths, room, compile, ledger, block)
+    return _states(model, targets, lanes, lengths, clock() - t0, ledger)
+
+
+def _lanes(targets: list[_Target], tokens) -> list[_Lane]:
+    groups: dict[tuple, list[_Target]] = {}
+    for t in targets:
+        groups.setdefault(t.method.prefill_key(), []).append(t)
+    lanes = []
+    for members in groups.values():
+        prop = members[0].prop
         if prop is not None:
-            with timer.phase("propagation"):
-                kept = prop.after_layer(view)
-        if kept is not None and prop.restart:
-            return restart(model, tokens, stream, kept, method, prop, processed, lengths, room, compile, t0, timer)
-        if store is not None:
-            store.after_propagation(prop)
-        if kept is not None:
-            stream = stream.gather(model, prop.pruner, kept)
-    store.finish()  # (a restart returned above: every other method has a store)
-    cache = store.cache
+            prop.begin(tokens.shape[1], tokens.device)
+        lanes.append(_Lane(members, prop))
+    return lanes
+
+
+def _run_stream(model, tokens, start: int, stream: Stream, riders: list[_Lane], observe, pending, lengths, room,
+                compile, ledger: Ledger, block) -> None:
+    """Layers `start`.. of one stream through `Decoder.run`; lanes that propagate fork off (the
+    stream continues as a fork when no lane stays on it)."""
+    cfg = model.config
+
+    def on_layer(i, h, positions, q, k, v):
+        nonlocal stream, riders, observe
+        ledger.charge(_targets(riders), ledger.since_mark(), "blocks")
+        stream.h = h
+        view = stream.view(i, q, k, v, cfg.scale, ledger.timer)
+        if observe is not None:
+            observe(view)
+        forks = []
+        for lane in riders:
+            kept = _layer(model, tokens, lane, view, lengths, room, compile, ledger)
+            if kept is not None and not lane.done:
+                forks.append((lane, stream.gather(lane.prop.pruner, kept)))
+        staying = [lane for lane in riders if not lane.done and all(lane is not f for f, _ in forks)]
+        for lane, fork in forks[1:] if not staying else forks:
+            pending.append((i + 1, fork, [lane], None))
+        ledger.since_mark()  # selection and propagation were charged by their own phases
+        if staying:
+            riders = staying
+            return None
+        if not forks:
+            riders = []
+            return STOP
+        lane, stream = forks[0]
+        riders, observe = [lane], None
+        return stream.h, stream.positions
+
+    ledger.since_mark()
+    h, _ = model.run(stream.h, stream.positions, start=start, on_layer=on_layer, block=block)
+    if riders:
+        stream.h = h
+        _finish(model, tokens, stream, riders, lengths, ledger)
+
+
+def _targets(lanes: list[_Lane]) -> list[_Target]:
+    return [t for lane in lanes for t in lane.targets]
+
+
+def _layer(model, tokens, lane: _Lane, view, lengths, room, compile, ledger: Ledger):
+    """One layer of one lane: each method's cache, then the lane's propagation; the kept token
+    indices (B, K) when the lane propagates here (a restart finishes the lane instead)."""
+    timer = ledger.timer
+    lane.processed.append(view.valid.sum())
+    window = lane.prop.window_needed(view.layer) if lane.prop is not None else None
+    lane_keys = {("window", window)} if window else set()
+    if window:
+        view.window_scores(window)
+    for target in lane.targets:
+        view.used = set()
+        if target.store is not None:
+            filled = timer.totals["cache_fill"]
+            with timer.phase("selection") as span:
+                target.store.layer(view)
+            target.own.totals["selection"] += span.seconds
+            target.own.totals["cache_fill"] += timer.totals["cache_fill"] - filled
+        target.own.totals["scoring"] += view.seconds(view.used | lane_keys)
+    if lane.prop is None:
+        return None
+    before = lane.prop.scoring_s
+    with timer.phase("propagation") as span:
+        kept = lane.prop.after_layer(view)
+    for target in lane.targets:
+        target.own.totals["scoring"] += lane.prop.scoring_s - before
+        target.own.totals["propagation"] += span.seconds
+        if target.store is not None and not lane.prop.restart:
+            with timer.phase("selection") as sel:
+                target.store.after_propagation(lane.prop)  # a guided retention may select held layers now
+            target.own.totals["selection"] += sel.seconds
+    if kept is not None and lane.prop.restart:  # GemFilter: its own key, so one target
+        (target,) = lane.targets
+        with timer.phase("restart") as span:
+            target.state = restart(model, tokens, view, kept, lane.prop, room, compile)
+            target.state.method, target.state.lengths = target.method, lengths.tolist()
+        ledger.charge([target], span.seconds)
+        lane.processed += target.state.stats.tokens_per_layer
+        lane.done = True
+    return kept
+
+
+def restart(model, tokens, view, kept, prop, room, compile) -> CompressedState:
+    """GemFilter: the kept tokens, renumbered 0..K-1, re-encoded by the whole model (uncompressed)."""
+    new_cols, new_pos = prop.pruner.gather(kept, view.columns, positions=view.positions)  # compact positions
+    new_tokens = torch.where(kept >= 0, tokens.gather(1, new_cols), torch.zeros_like(new_cols))
+    rerun = compress(model, new_tokens, new_pos, Full(), room, compile)
+    rerun.kept_columns = torch.where(kept >= 0, new_cols, torch.full_like(kept, -1))
+    return rerun
+
+
+def _finish(model, tokens, stream: Stream, lanes: list[_Lane], lengths, ledger: Ledger) -> None:
+    """Last-token logits once for the stream, then each of its lanes' states."""
+    t = clock(sync=ledger.timer.enabled)
     logits = model.logits(stream.h[:, -1])
     next_positions = stream.positions.max(dim=1, keepdim=True).values + 1  # (B, 1)
-    kept_columns = stream.kept_columns()
-    stats = prefill_stats(model, method, lengths, processed, cache, prop, clock() - t0, timer)
-    return CompressedState(cache, logits, next_positions, lengths.tolist(), method, stats, kept_columns,
-                           weakref.ref(model))
+    kept = stream.kept_columns()
+    ledger.charge(_targets(lanes), clock(sync=ledger.timer.enabled) - t, "logits")
+    for lane in lanes:
+        lane.done = True
+        for target in lane.targets:
+            target.store.finish(model, tokens)
+            target.state = CompressedState(target.store.cache, logits, next_positions, lengths.tolist(),
+                                           target.method, None, kept)
+
+
+def _states(model, targets: list[_Target], lanes: list[_Lane], lengths, elapsed: float, ledger: Ledger):
+    """Each target's state with its stats (one host sync for every lane's token counts)."""
+    timer = ledger.timer
+    overhead = max(elapsed - timer.total(), 0.0)
+    out = []
+    for lane in lanes:
+        processed = [int(x) for x in torch.stack([torch.as_tensor(p) for p in lane.processed]).tolist()]
+        for target in lane.targets:
+            state = target.state
+            alone = target.other_s + target.own.total() + overhead if timer.enabled and len(targets) > 1 else elapsed
+            extra = getattr(target.store, "reconstruction", None)  # KVzip: the context run again
+            state.stats = prefill_stats(model, target.method, lengths, processed, state.cache, lane.prop, alone,
+                                        _own(target) if timer.enabled else NO_TIMER, extra)
+            if len(targets) > 1:
+                state.stats.shared_prefill = {"methods": len(targets), "lanes": len(lanes), "pass_s": elapsed,
+                                              "untimed_s": overhead}
+            state.source = weakref.ref(model)
+    for target in targets:
+        out.append(target.state)
+    return out
+
+
+def _own(target: _Target) -> Timer:
+    """The target's own phase seconds as a Timer (what `prefill_stats` reads)."""
+    out = Timer()
+    out.totals.update(target.own.totals)
+    return out
 
 
 def prefill(model, context=None, method: Method | None = None, *, messages=None, room: int = 256,
@@ -174,20 +369,13 @@ def _tokenizer(model):
     return model.tokenizer
 
 
-def restart(model, tokens, stream: Stream, kept, method, prop, processed, lengths, room, compile, t0, timer):
-    """GemFilter: the kept tokens, renumbered 0..K-1, re-encoded by the whole model (uncompressed)."""
-    new_cols, new_pos = prop.pruner.gather(kept, stream.columns, positions=stream.positions)  # compact positions
-    new_tokens = torch.where(kept >= 0, tokens.gather(1, new_cols), torch.zeros_like(new_cols))
-    rerun = compress(model, new_tokens, new_pos, Full(), room, compile)
-    kept_columns = torch.where(kept >= 0, new_cols, torch.full_like(kept, -1))
-    stats = prefill_stats(model, method, lengths, processed + rerun.stats.tokens_per_layer, rerun.cache, prop,
-                          clock() - t0, timer)
-    return CompressedState(rerun.cache, rerun.logits, rerun.next_positions, lengths.tolist(), method, stats,
-                           kept_columns, weakref.ref(model))
-
-
-def prefill_stats(model, method, lengths, processed, cache, prop, prefill_s: float, timer: Timer) -> PrefillStats:
+def prefill_stats(model, method, lengths, processed, cache, prop, prefill_s: float, timer: Timer,
+                  reconstruction: dict | None = None) -> PrefillStats:
+    """`reconstruction`: tokens and seconds of a reconstruction pass (KVzip), counted at every layer
+    in `tokens_per_layer` and the prefill fraction: it is prefill work."""
     cfg = model.config
+    if reconstruction is not None:
+        processed = [p + reconstruction["tokens"] for p in processed]
     pivots = prop.pivots if prop is not None else [None] * len(lengths)
     kept = cache.nbytes()
     totals = timer.totals if timer.enabled else None
@@ -198,6 +386,8 @@ def prefill_stats(model, method, lengths, processed, cache, prop, prefill_s: flo
         kv_bytes_per_layer=kept, kv_bytes_allocated_per_layer=cache.nbytes(used=False),
         kv_bytes_full_layers=sum(kept[i] for i in cfg.full_attention_layers), prefill_s=prefill_s,
         host_syncs=prop.host_syncs if prop is not None else 0,
+        reconstruction_tokens=reconstruction["tokens"] if reconstruction else None,
+        reconstruction_s=reconstruction["seconds"] if reconstruction else None,
         scoring_s=totals["scoring"] if totals else None,
         selection_s=totals["selection"] + totals["propagation"] if totals else None,
         cache_fill_s=totals["cache_fill"] if totals else None,

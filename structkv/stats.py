@@ -25,6 +25,8 @@ class PrefillStats:
     scoring_s: float | None = None  # phase times: None unless a Timer was asked for
     selection_s: float | None = None
     cache_fill_s: float | None = None
+    reconstruction_tokens: int | None = None  # KVzip: tokens run to repeat the context (rows summed)
+    reconstruction_s: float | None = None  # and the seconds it took (inside prefill_s)
     t_curve: dict | list | None = None  # StructKV's pivot statistic per layer (per row when B > 1)
     centrality_layers: list[int] | None = None  # layers summed into StructKV's centrality
     shared_prefill: dict | None = None  # methods, lanes, pass_s, untimed_s of a shared prefill

@@ -17,7 +17,7 @@ BAD_FLOATS = [float("nan"), float("inf"), -float("inf"), 0.0, -0.5, 1.5]
 NUMBER = st.one_of(st.floats(0.01, 1.0), st.integers(-3, 300), st.sampled_from(BAD_FLOATS),
                    st.sampled_from([None, "a"]))
 OPTIONS = {
-    "kv_budget": NUMBER, "r_struct": NUMBER, "tsp_rate": NUMBER, "window": st.integers(-2, 24) | st.just(2.5),
+    "kv_budget": NUMBER, "struct_budget": NUMBER, "window": st.integers(-2, 24) | st.just(2.5),
     "kernel": st.integers(-1, 9), "beta": st.sampled_from([1.0, 20.0, 0.5, float("nan")]),
     "decay": st.sampled_from([0.0, 0.5, 0.9, 1.0, 1.5, float("nan")]),
     "pivot": st.sampled_from(["dynamic", 0.5, 1, 7, "auto", 0.0]),
@@ -27,8 +27,8 @@ OPTIONS = {
 }
 
 
-SANE = {"kv_budget": st.floats(0.05, 1.0) | st.integers(24, 200), "r_struct": st.floats(0.1, 1.0),
-        "tsp_rate": st.floats(0.1, 1.0), "window": st.integers(1, 16), "kernel": st.integers(1, 9),
+SANE = {"kv_budget": st.floats(0.05, 1.0) | st.integers(24, 200), "struct_budget": st.floats(0.1, 1.0),
+        "window": st.integers(1, 16), "kernel": st.integers(1, 9),
         "pivot": st.sampled_from(["dynamic", 1, 0.5]), "tsp_layer": st.sampled_from([0, 1, 0.5]),
         "filter_layer": st.sampled_from([0, 1, 0.4]), "pooling": st.sampled_from(["max", "avg", None])}
 

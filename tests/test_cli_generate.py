@@ -65,7 +65,7 @@ def test_method_and_budgets_reach_the_compression(byte_model, byte_model_dir, ca
     prompt = "The quick brown fox jumps over the lazy dog. " * 20
     assert _gen(byte_model_dir, prompt, "--method", "structkv", "--kv-budget", "0.2", "--struct-budget", "0.5") == 0
     out, err = capsys.readouterr()
-    method = methods.get("structkv", kv_budget=0.2, r_struct=0.5)
+    method = methods.get("structkv", kv_budget=0.2, struct_budget=0.5)
     expected = structkv.generate(byte_model, prompt, max_new_tokens=12, compile=False, method=method)
     assert out == expected.text + "\n"
     assert "method structkv" in err and "prefill fraction" in err and "pivot layer" in err

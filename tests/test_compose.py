@@ -128,7 +128,7 @@ def run_mini(mini, ids, method, new_tokens):
 def test_structkv_in_a_foreign_decoder_equals_structkv_generate(pair, seed):
     model, mini = pair
     ids = torch.randint(3, 96, (300,), generator=torch.Generator().manual_seed(seed)).tolist()
-    method = methods.get("structkv", kv_budget=0.2, r_struct=0.3)
+    method = methods.get("structkv", kv_budget=0.2, struct_budget=0.3)
     logits, tokens, comp, cache = run_mini(mini, ids, method, new_tokens=8)
     ref = structkv.generate(model, ids, method=method, max_new_tokens=8, stop_at_eos=False, compile=False)
     state = structkv.prefill(model, ids, method, room=8)

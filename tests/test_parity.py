@@ -59,9 +59,9 @@ def test_subset_with_original_positions_sees_restricted_attention(tiny_dir):
     h_full = model.embed(ids)
     rope_full = model.rope_tables(full_pos)
     # Layer 0 on the subset vs layer 0 on the full sequence with the dropped keys masked out.
-    out_sub, k_sub, _ = model.layer_forward(0, h_sub, pos, rope_sub)
+    out_sub, _, k_sub, _ = model.model.layers[0](h_sub, pos, *rope_sub[model.config.layer_types[0]])
     block = model.model.layers[0]
-    q, k, v = block.self_attn.qkv(block.attention_input(h_full), *rope_full[model.config.layer_types[0]])
+    q, k, v = block.self_attn.qkv(block.input_layernorm(h_full), *rope_full[model.config.layer_types[0]])
     masked_pos = torch.full_like(full_pos, -1)
     masked_pos[0, keep] = keep
     mask = visible(full_pos, masked_pos, block.self_attn.window)

@@ -131,6 +131,18 @@ def test_method_and_budget_per_request(client):
     assert extra["method"] == "fastkv" and extra["options"]["kv_budget"] == 0.2 and extra["prefill_fraction"] < 1
 
 
+def test_token_count_budgets_per_request(client):
+    """The server speaks the same budgets as every door: an integer is a token count, a ratio a share."""
+    out = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": DOC}], max_tokens=4,
+                                         temperature=0, extra_body={"method": "structkv", "kv_budget": 24,
+                                                                    "struct_budget": 40})
+    extra = out.model_extra["structkv"]
+    assert extra["options"]["kv_budget"] == 24 and extra["options"]["struct_budget"] == 40
+    with pytest.raises(openai.BadRequestError, match="write it as an integer"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": DOC}], max_tokens=4,
+                                       extra_body={"kv_budget": 512.0})
+
+
 def test_concurrent_clients_get_their_own_answers(chat_model, server):
     prompts = [[{"role": "user", "content": f"Question {i}: {QUESTIONS[i % 3]}"}] for i in range(6)]
     got = {}

@@ -6,11 +6,10 @@ from hypothesis import strategies as st
 
 import structkv
 from structkv import methods
-from structkv.compress import compress
+from structkv.compress import compress, compress_shared
 from structkv.generation import generate_states
 from structkv.models.kv_cache import StackedKVCache
 from structkv.prompts import encode_batch
-from structkv.shared import compress_shared
 
 
 def _ids(n, seed=0):

@@ -43,8 +43,7 @@ def compare_folder(folder: str, world: int, compile_decode: bool = False) -> lis
     if diff > ATOL:
         bad.append(f"{folder}: full-sequence logits differ by {diff:.2e}")
     for name in methods.names():
-        options = {k: v for k, v in methods.budget_options(name, 0.3, 0.5).items() if v is not None}
-        method = methods.get(name, **options)
+        method = methods.build(name, kv=0.3, struct=0.5)
         a, b = (compress(m, tokens, positions, method, room=16) for m in (whole, shard))
         bad += _states_differ(f"{folder} {name}", a, b, shard.tp)
         kw = dict(method=method, max_new_tokens=6, stop_at_eos=False, compile=False)

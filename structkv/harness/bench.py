@@ -23,6 +23,7 @@ import torch
 
 from .. import methods as methods_registry
 from ..generation import generate
+from ..modules.budget import Budget
 from ..timing import sync
 from . import environment, pyplot
 
@@ -48,6 +49,10 @@ class BenchConfig:
     int8_head: bool = False  # decode from the exact int8 copy of the LM head (GGUF Q8_0 heads)
     tp: int | None = None  # tensor-parallel degree, under torchrun (each rank reports its own KV bytes)
 
+    def __post_init__(self):  # budgets parsed once, where the config is made
+        self.kv_budget = Budget.parse(self.kv_budget, "kv_budget").value
+        self.struct_budget = Budget.parse(self.struct_budget, "struct_budget").value
+
     def validate(self):
         valid = methods_registry.names()
         for m in self.methods:
@@ -57,8 +62,6 @@ class BenchConfig:
             raise ValueError("repeats must be >= 1 and warmup >= 0")
         if self.new_tokens < 2:
             raise ValueError("new_tokens must be >= 2 to measure decoding")
-        if not 0 < self.kv_budget <= 1 or not 0 < self.struct_budget <= 1:
-            raise ValueError("kv_budget and struct_budget are ratios in (0, 1]")
         if self.tp not in (None, 1) and self.hf:
             raise ValueError("--tp runs only structkv's decoder: add --no-hf (transformers is not sharded here)")
 
@@ -121,8 +124,7 @@ def make_method(cfg: BenchConfig, name: str):
     pivot = {}
     if cfg.pivot is not None and name.startswith("structkv"):
         pivot = {"pivot": "dynamic" if cfg.pivot == "dynamic" else float(cfg.pivot)}
-    budgets = methods_registry.budget_options(name, cfg.kv_budget, cfg.struct_budget)
-    return methods_registry.get(name, **budgets, **pivot)
+    return methods_registry.build(name, kv=cfg.kv_budget, struct=cfg.struct_budget, **pivot)
 
 
 def prompt_ids(model, length: int, seed: int) -> list[int]:
@@ -176,7 +178,7 @@ def measure(model, ids, method, cfg: BenchConfig) -> dict:
     kv_prefill = s.get("kv_bytes", full_kv_bytes(model, n))
     budget_bytes = None
     if getattr(method, "kv_budget", None) is not None:  # the budget in entries: floor(R_KV * n) per head and layer
-        kept = method.kv_budget if isinstance(method.kv_budget, int) else int(method.kv_budget * n)
+        kept = Budget(method.kv_budget).tokens([n])[0]
         budget_bytes = full_kv_bytes(model, min(kept, n), cfg_m.full_attention_layers)
     return {
         "method": s["method"], "tokens": n,

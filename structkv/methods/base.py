@@ -17,7 +17,12 @@ from typing import ClassVar
 
 import torch
 
+from ..modules.budget import check as check_budget
 from ..modules.selection import budget_tokens
+
+# The two budgets every harness speaks in: R_KV (entries kept per layer) and R_struct (tokens that
+# go on past the propagation layer). Each is a `Budget`: a ratio in (0, 1] or a token count.
+BUDGETS = ("kv_budget", "struct_budget")
 
 
 def resolve_layer(depth: float | int, layout, scored: list[int], what: str) -> int:
@@ -66,20 +71,14 @@ class Method:
     name = "full"
     compresses_kv = False  # per-layer KV selection
     min_window = 0  # methods scored by the observation window need at least one query
-    # The field that holds the structural (propagation) budget R_struct, for the harnesses that
-    # speak in R_KV / R_struct (eval, bench); None: the method has none.
-    struct_budget_option: ClassVar[str | None] = None
+    # Whether the method has the structural budget R_struct (`struct_budget`: tokens that go on
+    # past its propagation layer), for the harnesses that speak in R_KV / R_struct.
+    has_struct_budget: ClassVar[bool] = False
 
     def validate(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.name in ("kv_budget", "r_struct", "tsp_rate") and v is not None:
-                if isinstance(v, bool) or not isinstance(v, (int, float)):
-                    raise ValueError(f"{self.name}: {f.name} must be a ratio in (0, 1] or a token count, got {v!r}")
-                if isinstance(v, float) and not 0.0 < v <= 1.0:
-                    raise ValueError(f"{self.name}: {f.name} ratio must be in (0, 1], got {v}")
-                if isinstance(v, int) and v < 1:
-                    raise ValueError(f"{self.name}: {f.name} must be a positive token count, got {v}")
+        for name in BUDGETS:
+            if getattr(self, name, None) is not None:
+                check_budget(getattr(self, name), f"{self.name}: {name}")
         w = getattr(self, "window", 0)
         if isinstance(w, bool) or not isinstance(w, int) or w < self.min_window:
             raise ValueError(f"{self.name}: window must be an int >= {self.min_window}, got {w!r}"
@@ -87,7 +86,7 @@ class Method:
         kernel = getattr(self, "kernel", 1)
         if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1:
             raise ValueError(f"{self.name}: kernel must be a positive int (pooling width in tokens), got {kernel!r}")
-        for budget_name in ("kv_budget", "r_struct"):
+        for budget_name in BUDGETS:
             b = getattr(self, budget_name, None)
             if isinstance(b, int) and not isinstance(b, bool) and b < w:
                 raise ValueError(f"{self.name}: {budget_name}={b} tokens is below the observation window ({w})")
@@ -159,7 +158,7 @@ class Method:
 
     def prefill_key(self) -> tuple:
         """Methods with equal keys compute the same hidden states to the last layer (they differ only
-        in what each layer's cache keeps): one lane of `structkv.shared.compress_shared`. Methods
+        in what each layer's cache keeps): one lane of `structkv.compress.compress_shared`. Methods
         that keep every token to the last layer share ("all",)."""
         return ("all",)
 

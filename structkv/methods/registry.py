@@ -4,8 +4,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..modules.budget import Budget
 from .base import Method
-from .variants import H2O, FastKV, Full, GemFilter, PyramidKV, SnapKV, StreamingLLM, StructKV
+from .variants import H2O, FastKV, Full, GemFilter, KeyDiff, KVzip, PyramidKV, SnapKV, StreamingLLM, StructKV
 
 
 @dataclass(frozen=True)
@@ -18,8 +19,8 @@ class Entry:
     couple_struct_to_kv: bool = False
 
     @property
-    def struct_budget_option(self) -> str | None:
-        return None if self.couple_struct_to_kv else self.cls.struct_budget_option
+    def has_struct_budget(self) -> bool:
+        return self.cls.has_struct_budget and not self.couple_struct_to_kv
 
 
 METHODS: dict[str, Entry] = {}
@@ -42,6 +43,9 @@ register("h2o", H2O)
 register("gemfilter", GemFilter)
 register("fastkv", FastKV)
 register("structkv", StructKV)
+# Query-agnostic scoring (no observation window): compress once, ask many.
+register("kvzip", KVzip)
+register("keydiff", KeyDiff)
 # The paper's algorithm as written, with the faithful reading where it is silent (the detector's
 # statistics over ranked columns, normalised changes, L* = argmax T + 1; lambda by layer distance).
 register("structkv_paper", StructKV, pivot="dynamic", confirm=1, decay=0.9, skeleton="centrality",
@@ -54,44 +58,56 @@ register("structkv_no_decay", StructKV, skeleton="centrality", decay=1.0)
 register("structkv_coupled", StructKV, couple_struct_to_kv=True)  # R_struct = R_KV
 
 
+# Names the structural budget had before it was `struct_budget` everywhere.
+OLD_NAMES = {"r_struct": "struct_budget", "tsp_rate": "struct_budget"}
+
+
 def names() -> list[str]:
     return list(METHODS)
 
 
 def get(name: str, **options) -> Method:
     """A method by registry name, with options checked against its fields."""
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; valid: {', '.join(METHODS)}")
-    entry = METHODS[name]
+    entry = _entry(name)
+    for old, new in OLD_NAMES.items():
+        if old in options:
+            raise ValueError(f"{name}: the option {old!r} is now called {new!r}; pass {new}=...")
     valid = {f.name for f in dataclasses.fields(entry.cls)}
     unknown = sorted(set(options) - valid)
     if unknown:
         raise ValueError(f"unknown option(s) {unknown} for method {name!r}; valid: {sorted(valid)}")
     if entry.couple_struct_to_kv:
-        if "r_struct" in options:
-            raise ValueError(f"{name} ties r_struct to kv_budget; pass only kv_budget")
+        if "struct_budget" in options:
+            raise ValueError(f"{name} ties struct_budget to kv_budget; pass only kv_budget")
         options = {**options, "kv_budget": options.get("kv_budget", 0.1)}
-        options["r_struct"] = options["kv_budget"]
+        options["struct_budget"] = options["kv_budget"]
     method = entry.cls(**{**entry.fixed, **options})
     method.name = name  # reported under its registry name in every table
     return method
 
 
-def struct_budget_option(name: str) -> str | None:
-    """The option that carries R_struct for this registry name (StructKV's r_struct, FastKV's
-    tsp_rate), or None."""
+def build(name: str, kv=None, struct=None, **options) -> Method:
+    """The one way every door (library, command line, eval, bench, server) makes a method from the
+    budgets people speak in: `kv` is R_KV, `struct` R_struct, each a `Budget` or what parses as one
+    ("0.1", 0.1, "512", 512). None keeps the method's default; `full` keeps everything and
+    ignores them, and so do methods without the budget (`struct` for SnapKV: it has no propagation),
+    so one grid of budgets can run over every method."""
+    entry = _entry(name)
+    if name != "full":
+        fields = {f.name for f in dataclasses.fields(entry.cls)}
+        if kv is not None and "kv_budget" in fields:
+            options["kv_budget"] = Budget.parse(kv, f"{name}: kv_budget").value
+        if struct is not None and has_struct_budget(name):
+            options["struct_budget"] = Budget.parse(struct, f"{name}: struct_budget").value
+    return get(name, **options)
+
+
+def has_struct_budget(name: str) -> bool:
+    """Whether this registry name has its own structural budget R_struct (StructKV, FastKV)."""
+    return _entry(name).has_struct_budget
+
+
+def _entry(name: str) -> Entry:
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; valid: {', '.join(METHODS)}")
-    return METHODS[name].struct_budget_option
-
-
-def budget_options(name: str, kv_budget=None, struct_budget=None) -> dict:
-    """`get` options for the budgets every harness speaks in: R_KV (none for `full`) and R_struct
-    (dropped for methods without one)."""
-    if name == "full":
-        return {}
-    options = {"kv_budget": kv_budget}
-    option = struct_budget_option(name)
-    if option is not None and struct_budget is not None:
-        options[option] = struct_budget
-    return options
+    return METHODS[name]

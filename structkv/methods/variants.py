@@ -7,8 +7,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from ..modules import FixedLayerPropagation, RestartPropagation, StructKVCompressor, budget_tokens, pooled_saliency
+from ..modules.reconstruction import DEFAULT_PROMPT
+from ..modules.retention import ReconstructionRetention
 from .base import Method, resolve_layer
 
 
@@ -160,16 +163,16 @@ class FastKV(WindowScored):
     """Token-selective propagation at a fixed layer plus per-layer KV selection."""
 
     tsp_layer: float | int = 15 / 32
-    tsp_rate: float | int = 0.2
+    struct_budget: float | int = 0.2
     name = "fastkv"
-    struct_budget_option: ClassVar[str] = "tsp_rate"
+    has_struct_budget: ClassVar[bool] = True
 
     def prefill_key(self):
-        return ("fastkv", self.tsp_layer, self.tsp_rate, self.window, self.kernel, self.pooling)
+        return ("fastkv", self.tsp_layer, self.struct_budget, self.window, self.kernel, self.pooling)
 
     def propagation(self, layout, lengths):
         layer = resolve_layer(self.tsp_layer, layout, layout.full_attention_layers, "tsp_layer")
-        keep = self.fit_window(budget_tokens(self.tsp_rate, lengths, "fastkv tsp_rate"), lengths)
+        keep = self.fit_window(budget_tokens(self.struct_budget, lengths, "fastkv struct_budget"), lengths)
         return FixedLayerPropagation(layer, keep, self.window, self.kernel, self.pooling)
 
 
@@ -178,12 +181,12 @@ class StructKV(WindowScored):
     """Global centrality over depth, dynamic pivot, skeleton propagation, decoupled KV budgets.
 
     pivot: "dynamic" (detected per row inside depth_range: `PivotDetector`), or a fixed layer
-    (int) or depth fraction (float); `structkv.methods.calibrate` fixes it from a few prompts.
+    (int) or depth fraction (float); `structkv.calibrate` fixes it from a few prompts.
     decay: lambda of C <- lambda^(layer distance) * C + S. topk_ratio, confirm, sinks: the
     detector's top-k mass, confirmation layers and left-out first tokens.
     skeleton: the tokens kept at the pivot, top by "centrality" (the paper), "pivot" (the pivot
     layer's saliency) or "union" (half each). equal_compute: choose the skeleton size at the
-    detected pivot so that the prefill costs what FastKV's does (its layer 15/32, rate r_struct).
+    detected pivot so that the prefill costs what FastKV's does (its layer 15/32, rate struct_budget).
     guide, beta: cross-layer KV retention (`GuidedRetention`): every planned layer keeps the top
     of norm(S^(l)) + beta * norm(G), G the pivot layer's saliency ("pivot") or C ("centrality");
     beta 0 = each layer by its own scores (the paper).
@@ -192,7 +195,7 @@ class StructKV(WindowScored):
     # Defaults: the configuration chosen on the development split (docs/methods.md, "StructKV
     # here"); the paper's algorithm is `structkv_paper` (pivot "dynamic", confirm 1, skeleton
     # "centrality", beta 0).
-    r_struct: float | int = 0.2
+    struct_budget: float | int = 0.2
     decay: float = 0.9
     pivot: str | float | int = 15 / 32
     depth_range: tuple[float, float] = (0.3, 0.6)
@@ -206,13 +209,13 @@ class StructKV(WindowScored):
     beta: float = 3.0
     pyramid: float | None = None  # PyramidKV-shaped per-layer KV budgets with this steepness (None: flat)
     name = "structkv"
-    struct_budget_option: ClassVar[str] = "r_struct"
+    has_struct_budget: ClassVar[bool] = True
 
     def propagation(self, layout, lengths):
         """StructKV's compressor: centrality over the scored layers, the pivot (detected per row or
-        fixed), the skeleton of `r_struct` tokens (or FastKV's compute, `equal_compute`)."""
+        fixed), the skeleton of `struct_budget` tokens (or FastKV's compute, `equal_compute`)."""
         scored = layout.full_attention_layers
-        keep = self.fit_window(budget_tokens(self.r_struct, lengths, "structkv r_struct"), lengths)
+        keep = self.fit_window(budget_tokens(self.struct_budget, lengths, "structkv struct_budget"), lengths)
         pivot = None if self.pivot == "dynamic" else resolve_layer(self.pivot, layout, scored, "pivot")
         keep_at = self._equal_compute(layout, lengths) if self.equal_compute else None
         return StructKVCompressor(layout.num_layers, scored, keep, window=self.window, kernel=self.kernel,
@@ -222,10 +225,10 @@ class StructKV(WindowScored):
 
     def _equal_compute(self, layout, lengths):
         """layer -> tokens kept per row so that token-layers computed equal FastKV's at its
-        default layer with rate r_struct: (p + 1) n + K (L - p - 1) = (f + 1) n + r n (L - f - 1)."""
+        default layer with rate struct_budget: (p + 1) n + K (L - p - 1) = (f + 1) n + r n (L - f - 1)."""
         L = layout.num_layers
         f = resolve_layer(FastKV.tsp_layer, layout, layout.full_attention_layers, "tsp_layer")
-        base = self.fit_window(budget_tokens(self.r_struct, lengths, "structkv r_struct"), lengths)
+        base = self.fit_window(budget_tokens(self.struct_budget, lengths, "structkv struct_budget"), lengths)
 
         def keep_at(p: int) -> list[int]:
             if p >= L - 1:
@@ -246,7 +249,7 @@ class StructKV(WindowScored):
         return GuidedRetention(self, plan, cache, self.beta) if self.beta else Retention(self, plan, cache)
 
     def prefill_key(self):
-        return ("structkv", self.r_struct, self.decay, self.pivot, tuple(self.depth_range), tuple(self.weights),
+        return ("structkv", self.struct_budget, self.decay, self.pivot, tuple(self.depth_range), tuple(self.weights),
                 self.topk_ratio, self.confirm, self.sinks, self.skeleton, self.equal_compute, self.guide,
                 self.window, self.kernel, self.pooling)
 
@@ -255,7 +258,7 @@ class StructKV(WindowScored):
         if not 0.0 <= self.decay <= 1.0:
             raise ValueError(f"structkv: decay must be in [0, 1], got {self.decay}")
         if isinstance(self.pivot, str) and self.pivot != "dynamic":
-            hint = (" (a calibrated pivot is a layer: structkv.methods.calibrate(model, prompts, method) returns "
+            hint = (" (a calibrated pivot is a layer: structkv.calibrate(model, prompts, method) returns "
                     "the method with it)") if self.pivot == "calibrated" else ""
             raise ValueError(f"structkv: pivot must be 'dynamic', a layer index or a depth fraction, "
                              f"got {self.pivot!r}{hint}")
@@ -286,3 +289,55 @@ class StructKV(WindowScored):
                 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in r)
                 or not 0 <= r[0] <= r[1] <= 1):
             raise ValueError(f"structkv: depth_range must be two fractions 0 <= lo <= hi <= 1, got {r!r}")
+
+
+@dataclass
+class KVzip(Method):
+    """Query-agnostic: each entry kept by how much the model needs it to repeat its context (KVzip,
+    Kim et al. 2025). After the full prefill the context is fed again, chunk by chunk, after a
+    "repeat the previous context" prompt; an entry's score is the largest attention any
+    reconstruction query gives it (max over its KV group's heads). Costs about one more prefill.
+
+    chunk: context tokens per reconstruction pass (memory is bounded by one chunk); prompt: the
+    reconstruction instruction (empty for a model without a tokenizer)."""
+
+    kv_budget: float | int = 0.1
+    window: int = 8
+    chunk: int = 512
+    prompt: str = DEFAULT_PROMPT
+    per_head: bool = True
+    name = "kvzip"
+    compresses_kv = True
+
+    def retention(self, plan, cache):
+        return ReconstructionRetention(self, plan, cache)
+
+    def validate(self):
+        super().validate()
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
+            raise ValueError(f"kvzip: chunk must be a positive int (context tokens per reconstruction pass), "
+                             f"got {self.chunk!r}")
+        if not isinstance(self.prompt, str):
+            raise ValueError(f"kvzip: prompt must be text, got {self.prompt!r}")
+
+
+@dataclass
+class KeyDiff(Method):
+    """Query-agnostic: keep the keys least like the layer's average key (KeyDiff, Park et al. 2025):
+    score = -cos(k_i, mean of the normalised keys), per KV head. No attention is computed, so it
+    costs nothing beyond the prefill."""
+
+    kv_budget: float | int = 0.1
+    window: int = 8
+    per_head: bool = True
+    name = "keydiff"
+    compresses_kv = True
+
+    def kv_scores(self, view):
+        def compute():
+            keys = F.normalize(view.k.float(), dim=-1)  # (B, Hkv, n, D)
+            valid = view.valid[:, None, :, None]  # (B, 1, n, 1)
+            anchor = (keys * valid).sum(2, keepdim=True) / valid.sum(2, keepdim=True).clamp_min(1)  # (B, Hkv, 1, D)
+            return -F.cosine_similarity(keys, anchor, dim=-1)  # (B, Hkv, n)
+        scores = view.per_kv_head(("keydiff",), compute)
+        return scores if self.per_head else scores.sum(1, keepdim=True)

@@ -24,6 +24,9 @@ from torch import nn
 from ..ops.attention import CAUSAL_BLOCK, causal_attention, sliding_window_attention, visible
 from .config import ModelConfig, inv_frequencies
 
+# What an `on_layer` hook returns to end `Decoder.run` early (no token needs the deeper layers).
+STOP = "stop"
+
 
 class RMSNorm(nn.Module):
     """RMSNorm; `plus_one` is Gemma's (1 + w) flavour computed in float32."""
@@ -103,6 +106,28 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # (B, S, Hq*D) -> (B, S, E)
 
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None):
+        """x (B, S, E) at `positions` (B, S) -> (attention output (B, S, E), q, k, v).
+
+        Without `cache` the tokens attend to themselves (blockwise ops). With a `LayerKVCache` they
+        attend to the cached entries and causally to each other, then are appended: one token is
+        written first and reads the buffer in place (decode); several attend over cache + new and
+        are written after (a ring could otherwise overwrite keys an earlier new token still sees).
+        """
+        q, k, v = self.qkv(x, cos, sin)
+        if cache is None:
+            return self_attention(self, q, k, v, positions), q, k, v
+        if q.shape[2] == 1:
+            cache.write(k, v, positions)
+            keys = (cache.k, cache.v, cache.pos)
+        else:
+            new_pos = positions[:, None].expand(-1, k.shape[1], -1)  # (B, Hkv, S)
+            keys = (torch.cat([cache.k, k], 2), torch.cat([cache.v, v], 2), torch.cat([cache.pos, new_pos], 2))
+        out = self.attend(q, keys[0], keys[1], visible(positions, keys[2], self.window))
+        if q.shape[2] > 1:
+            cache.write(k, v, positions)
+        return out, q, k, v
+
 
 def self_attention(attn: "Attention", q, k, v, positions: torch.Tensor) -> torch.Tensor:
     """Attention of the tokens over themselves: (B, S, E), blockwise through opaque ops (their
@@ -116,12 +141,9 @@ def self_attention(attn: "Attention", q, k, v, positions: torch.Tensor) -> torch
 
 
 def run_block(block: "Block", h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """One layer on tokens attending to themselves: new h (B, S, E) and the layer's q, k, v.
-
-    A free function of the block, so one compiled graph serves every layer of a kind."""
-    attn = block.self_attn
-    q, k, v = attn.qkv(block.attention_input(h), cos, sin)
-    return block.finish(h, self_attention(attn, q, k, v, positions)), q, k, v
+    """`block(h, positions, cos, sin)` as a free function of the block, so one compiled graph
+    serves every layer of a kind (the compressed prefill compiles this)."""
+    return block(h, positions, cos, sin)
 
 
 class MLP(nn.Module):
@@ -155,8 +177,10 @@ class Block(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, g)
         self.sandwich = g
 
-    def attention_input(self, h: torch.Tensor) -> torch.Tensor:
-        return self.input_layernorm(h)
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None):
+        """h (B, S, E) -> (new h, q, k, v); `cache`: this layer's `LayerKVCache`, if any."""
+        out, q, k, v = self.self_attn(self.input_layernorm(h), positions, cos, sin, cache)
+        return self.finish(h, out), q, k, v
 
     def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual adds and the MLP, given the attention output (B, S, E)."""
@@ -178,9 +202,9 @@ class Backbone(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Causal LM. `forward` is the plain full-sequence pass; `prompt_pass`, `decode_step` and
-    `extend` serve generation (`structkv.generate`); compression runs layer by layer through
-    `run_block` (`structkv.compress`)."""
+    """Causal LM with one forward (`forward`, over the layer loop `run`): the prompt pass, the
+    decode step and `extend` are thin uses of it, and the compressed prefill (`structkv.compress`)
+    is `run` with an `on_layer` hook that selects each layer's KV and propagates a token subset."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -247,79 +271,59 @@ class Decoder(nn.Module):
             return torch.mm(self.lm_head.weight, h.t()).t().float()  # (V, E) @ (E, B) -> (B, V)
         return self.lm_head(h).float()
 
-    def layer_forward(self, i: int, h, positions, rope, keys=None):
-        """Run layer `i` on hidden states h (B, S, E) at `positions` (B, S).
+    # ------------------------------------------------------------------ the forward
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache=None, on_layer=None,
+                block=None, last: bool = False) -> torch.Tensor:
+        """The one forward: tokens (B, S) at `positions` (B, S) -> float32 logits (B, S, V), or the
+        last token's (B, V) with `last`.
 
-        By default the layer attends over the same tokens. `keys(k, v) -> (k_all, v_all, k_pos)`
-        builds another key set from the new k, v (e.g. cache + new); the new k, v (B, Hkv, S, D)
-        are returned either way.
+        `cache`: a KV cache whose layers the tokens attend to and are appended to (decode, extend);
+        None: the tokens attend to themselves. `on_layer`, `block`: see `run`.
         """
-        block = self.model.layers[i]
-        if keys is None:
-            h, _, k, v = run_block(block, h, positions, *rope[self.config.layer_types[i]])
-            return h, k, v
-        attn = block.self_attn
-        q, k, v = attn.qkv(block.attention_input(h), *rope[self.config.layer_types[i]])
-        k_all, v_all, k_pos = keys(k, v)
-        out = attn.attend(q, k_all, v_all, visible(positions, k_pos, attn.window))
-        return block.finish(h, out), k, v
-
-    # ------------------------------------------------------------------ passes
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Full causal pass: tokens (B, S) -> logits (B, S, V), float32."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        h, rope = self.embed(tokens), self.rope_tables(positions)
-        for i in range(self.config.num_layers):
-            h, _, _ = self.layer_forward(i, h, positions, rope)
-        return self.logits(h)
+        h, _ = self.run(self.embed(tokens), positions, cache=cache, on_layer=on_layer, block=block)
+        return self.logits(h[:, -1] if last else h)
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, start: int = 0, cache=None, on_layer=None, block=None):
+        """Layers `start`.. on hidden states h (B, S, E): (h, positions) after the last layer.
+
+        `on_layer(i, h, positions, q, k, v)` sees each layer's output and its q, k, v (RoPE applied);
+        it may return new (h, positions) for the deeper layers (a token subset at its original
+        positions: how the compressed prefill propagates), or `STOP` to end the loop there.
+        `block(layer, h, positions, cos, sin)` runs a layer without a cache (default: the layer
+        itself; the prefill passes a compiled one).
+        """
+        rope = self.rope_tables(positions)
+        for i in range(start, self.config.num_layers):
+            layer = self.model.layers[i]
+            cos, sin = rope[self.config.layer_types[i]]
+            if cache is not None:
+                h, q, k, v = layer(h, positions, cos, sin, cache.layers[i])
+            else:
+                h, q, k, v = (block or run_block)(layer, h, positions, cos, sin)
+            if on_layer is not None:
+                step = on_layer(i, h, positions, q, k, v)
+                if step is STOP:
+                    break
+                if step is not None:
+                    h, positions = step
+                    rope = self.rope_tables(positions)
+        return h, positions
 
     def prompt_pass(self, tokens: torch.Tensor, positions: torch.Tensor):
         """Uncompressed prompt pass: last-token logits (B, V) and each layer's (k, v)."""
-        h, rope = self.embed(tokens), self.rope_tables(positions)
         kv = []
-        for i in range(self.config.num_layers):
-            h, k, v = self.layer_forward(i, h, positions, rope)
-            kv.append((k, v))
-        return self.logits(h[:, -1]), kv
+        logits = self(tokens, positions, on_layer=lambda i, h, p, q, k, v: kv.append((k, v)), last=True)
+        return logits, kv
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        """One new token per row: tokens, positions (B, 1) -> logits (B, V).
-
-        Writes the new K/V into every layer of `cache` in place (at its cursor, or its ring slot),
-        then attends over the whole cache buffer, masked by the cached positions.
-        """
-        h, rope = self.embed(tokens), self.rope_tables(positions)
-        for i in range(self.config.num_layers):
-            layer = cache.layers[i]
-            block = self.model.layers[i]
-            q, k, v = block.self_attn.qkv(block.attention_input(h), *rope[self.config.layer_types[i]])
-            layer.write(k, v, positions)
-            mask = visible(positions, layer.pos, block.self_attn.window)
-            h = block.finish(h, block.self_attn.attend(q, layer.k, layer.v, mask))
-        return self.logits(h[:, -1])
+        """One new token per row: tokens, positions (B, 1) -> logits (B, V); its K/V are written into
+        every layer of `cache` in place (at its cursor, or its ring slot)."""
+        return self(tokens, positions, cache=cache, last=True)
 
     def extend(self, tokens: torch.Tensor, positions: torch.Tensor, cache, every: bool = False) -> torch.Tensor:
         """Several new tokens per row on top of a cache (e.g. a question after a compressed
-        context): they attend to the cache and causally to each other, then are appended.
-        tokens, positions (B, S) -> last-token logits (B, V), or every token's (B, S, V) with
-        `every` (teacher forcing, as the fidelity metric does)."""
-        h, rope = self.embed(tokens), self.rope_tables(positions)
-        for i in range(self.config.num_layers):
-            layer = cache.layers[i]
-            keys = lambda k, v: (torch.cat([layer.k, k], 2), torch.cat([layer.v, v], 2),  # noqa: E731
-                                 torch.cat([layer.pos, positions[:, None].expand(-1, k.shape[1], -1)], 2))
-            h, k, v = self.layer_forward(i, h, positions, rope, keys=keys)
-            layer.write(k, v, positions)
-        return self.logits(h) if every else self.logits(h[:, -1])
-
-
-def empty_decoder(cfg: ModelConfig, tp=None) -> Decoder:
-    """A Decoder for `cfg` on the meta device (no memory until weights are assigned or
-    materialised), or with `tp` (a `structkv.distributed.TensorParallel`) this rank's part of it."""
-    with torch.device("meta"):
-        if tp is None:
-            return Decoder(cfg)
-        from ..distributed import sharded_decoder
-
-        return sharded_decoder(cfg, tp)
+        context): last-token logits (B, V), or every token's (B, S, V) with `every` (teacher
+        forcing, as the fidelity metric does)."""
+        return self(tokens, positions, cache=cache, last=not every)

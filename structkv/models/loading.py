@@ -18,7 +18,8 @@ from ..fetch import WheelFile, cache_root, fetch, hub_reachable
 from ..files import read_json_object
 from ..tokenizer import Tokenizer
 from .config import ModelConfig
-from .decoder import Decoder, empty_decoder
+from .decoder import Decoder
+from .empty import empty_decoder
 
 GGUF_CACHE_VERSION = 2  # of the converted copy's layout (2: the chat template in tokenizer_meta.json)
 ALIASES = {

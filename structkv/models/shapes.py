@@ -36,7 +36,7 @@ SHAPES: dict[str, dict] = {
 def random_model(shape: str, *, dtype=torch.float32, device="cpu", seed: int = 0, tp=None):
     """A Decoder with the architecture of `shape` (a key of SHAPES) and seeded random weights
     (with `tp`: this rank's shard, seeded per rank: for speed, not for comparing outputs)."""
-    from .decoder import empty_decoder
+    from .empty import empty_decoder
 
     if shape not in SHAPES:
         raise ValueError(f"unknown model shape {shape!r}; valid: {', '.join(SHAPES)}")

@@ -1,6 +1,7 @@
 """Composable modules of StructKV: centrality, pivot detection, skeleton pruning, budgeted cache,
 and `StructKVCompressor`, which joins the first three into StructKV's propagation."""
 from ..models.kv_cache import BudgetedKVCache, pads_last
+from .budget import Budget
 from .centrality import CentralityTracker
 from .compressor import StructKVCompressor
 from .pivot import PivotDetector, PivotTrace, calibrate_pivot, candidate_layers
@@ -12,8 +13,9 @@ from .skeleton import SkeletonPruner
 from .view import LayerView
 
 __all__ = [
-    "BudgetedKVCache", "CentralityTracker", "FixedLayerPropagation", "GuidedRetention", "LayerView", "PivotDetector",
-    "PivotTrace", "Propagation", "RestartPropagation", "Retention", "SkeletonPruner", "StructKVCompressor",
+    "Budget", "BudgetedKVCache", "CentralityTracker", "FixedLayerPropagation", "GuidedRetention", "LayerView",
+    "PivotDetector", "PivotTrace", "Propagation", "RestartPropagation", "Retention", "SkeletonPruner",
+    "StructKVCompressor",
     "budget_tokens", "calibrate_pivot", "candidate_layers", "gather_tokens", "last_query_logits", "pads_last",
     "pool_scores", "pooled_saliency", "received_attention", "select_tokens"
 ]

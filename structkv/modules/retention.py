@@ -38,8 +38,8 @@ class Retention:
     def after_propagation(self, prop) -> None:
         """Called after the propagation saw the layer (a guide may now exist)."""
 
-    def finish(self) -> None:
-        """Called once after the last layer."""
+    def finish(self, model=None, tokens=None) -> None:
+        """Called once after the last layer, with the model and the prompt's token ids (B, S)."""
 
     def _scores(self, held: "_Held") -> torch.Tensor:
         """The scores (B, H, n), H = Hkv or 1, that choose a planned layer's entries."""
@@ -84,7 +84,7 @@ class GuidedRetention(Retention):
             if self.guide is not None:
                 self._flush()
 
-    def finish(self) -> None:
+    def finish(self, model=None, tokens=None) -> None:
         self._flush()  # never guided (no pivot fired): own scores only
 
     def _flush(self) -> None:
@@ -105,3 +105,70 @@ def _norm(x: torch.Tensor, ranked: torch.Tensor) -> torch.Tensor:
     """x (B, H, n) / its sum over the ranked columns (B, n); zero elsewhere."""
     x = x.float() * ranked[:, None]
     return x / x.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+class ReconstructionRetention(Retention):
+    """KVzip's retention: every planned layer's entries are held through the prefill, then scored
+    by context reconstruction (`structkv.modules.reconstruction`) and selected at once. Extra
+    memory during the prefill only (the final cache has the planned size); the reconstruction
+    costs about one more prefill, reported as `reconstruction` (tokens run, seconds)."""
+
+    def __init__(self, method, plan: dict, cache):
+        super().__init__(method, plan, cache)
+        self.held: list[_Held] = []
+        self.reconstruction = None
+
+    def layer(self, view) -> None:
+        if view.layer in self.plan:
+            self.held.append(_Held(view, None))
+            return
+        super().layer(view)
+
+    def finish(self, model=None, tokens=None) -> None:
+        if not self.held:
+            return
+        if model is None:
+            raise ValueError("kvzip scores its entries by running the model again: the prefill loop passes it")
+        scores, run, seconds = self._score(model, tokens)
+        for held in self.held:
+            held.scores = scores[held.layer]
+            if not self.method.per_head:
+                held.scores = held.scores.sum(1, keepdim=True)
+            self._store(held)
+        self.held = []
+        self.reconstruction = {"tokens": run, "seconds": seconds}
+
+    def _score(self, model, tokens: torch.Tensor):
+        """Scores (B, Hkv, n) per held layer, one row at a time (each row's own context, unpadded)."""
+        from .reconstruction import reconstruction_scores
+
+        prompt_ids = model.tokenizer.encode(self.method.prompt, add_bos=False) if model.tokenizer else []
+        first = self.held[0]
+        out = {h.layer: torch.zeros(h.k.shape[:3], device=h.k.device) for h in self.held}  # (B, Hkv, n)
+        run = seconds = 0
+        for b in range(first.valid.shape[0]):
+            cols = first.valid[b].nonzero()[:, 0]  # this row's tokens (no propagation: the same at every layer)
+            held = {h.layer: (h.k[b:b + 1, :, cols], h.v[b:b + 1, :, cols], h.positions[b:b + 1, cols])
+                    for h in self.held}
+            room = len(prompt_ids) + self.method.chunk
+            rings = {i: _row(layer, b, room) for i, layer in enumerate(self.cache.layers) if i not in held}
+            scores, r, s = reconstruction_scores(model, held, rings, tokens[b, first.columns[b, cols]], prompt_ids,
+                                                 self.method.chunk)
+            for i, sc in scores.items():
+                out[i][b:b + 1, :, cols] = sc
+            run, seconds = run + r, seconds + s
+        return out, run, seconds
+
+
+def _row(layer, b: int, room: int):
+    """A one-row copy of a cache layer with `room` free slots after its entries (a ring stays its
+    window): the reconstruction writes a chunk into it, then restores it."""
+    from ..models.kv_cache import LayerKVCache
+
+    used = layer.capacity if layer.window is not None else int(layer.cursor)
+    out = LayerKVCache(1, layer.k.shape[1], used + room, layer.k.shape[3], layer.k.dtype, layer.k.device,
+                       window=layer.window)
+    for name in ("k", "v", "pos"):
+        getattr(out, name)[:, :, :used] = getattr(layer, name)[b:b + 1, :, :used]
+    out.cursor.copy_(layer.cursor)
+    return out

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .budget import Budget
+
 
 def pool_scores(scores: torch.Tensor, kernel: int, pooling: str | None) -> torch.Tensor:
     """1-D max or average pooling over tokens with 'same' padding: (B, H, n) -> (B, H, n)."""
@@ -38,18 +40,8 @@ def pooled_saliency(saliency: torch.Tensor, window: int, kernel: int, pooling: s
 
 
 def budget_tokens(budget: float | int, lengths: torch.Tensor, what: str = "budget") -> list[int]:
-    """Tokens to keep per row: floor(length * ratio), at least one, for a ratio in (0, 1]; else
-    min(count, length)."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise ValueError(f"{what} must be a ratio in (0, 1] or a positive token count, got {budget!r}")
-    lens = [int(x) for x in lengths.tolist()]
-    if isinstance(budget, float):
-        if not 0.0 < budget <= 1.0:
-            raise ValueError(f"{what} ratio must be in (0, 1], got {budget}")
-        return [min(n, max(1, int(n * budget))) for n in lens]
-    if budget < 1:
-        raise ValueError(f"{what} must be a positive token count, got {budget}")
-    return [min(budget, n) for n in lens]
+    """Tokens to keep per row for a budget (`Budget`: a ratio in (0, 1] or a token count)."""
+    return Budget.parse(budget, what).tokens(lengths)
 
 
 def select_tokens(scores: torch.Tensor, valid: torch.Tensor, keep: list[int], window: int) -> torch.Tensor:

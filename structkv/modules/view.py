@@ -71,6 +71,11 @@ class LayerView:
         return self._scores(("last_query", kernel), lambda: last_query_logits(
             self.q, self.k, self.valid, kernel, reduce=self.tp.all_reduce if self.tp is not None else None))
 
+    def per_kv_head(self, key, compute):
+        """Scores (B, Hkv, n) a method computes from this layer's tensors, memoised under `key`
+        and gathered over every rank's heads under tensor parallelism."""
+        return self._scores(key, compute)
+
     def _scores(self, key, compute):
         if key not in self.memo:
             with self.timer.phase("scoring") as span:

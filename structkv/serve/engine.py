@@ -25,7 +25,7 @@ from .. import chat
 from ..compress import prefill
 from ..detokenize import StopText
 from ..generation import generate
-from ..methods import budget_options, get, names
+from ..methods import Budget, build, names
 from .context_cache import ContextCache, context_key
 from .metrics import Metrics
 from .protocol import APIError, Request, bad, usage
@@ -40,8 +40,8 @@ class Settings:
 
     model_name: str
     method: str = "structkv"
-    kv_budget: float | None = None
-    struct_budget: float | None = None
+    kv_budget: float | int | str | None = None  # a `Budget` (ratio or token count), parsed once here
+    struct_budget: float | int | str | None = None
     cache_bytes: int = 1 << 30
     max_queue: int = 16
     max_tokens: int = 1024  # per request, new tokens
@@ -49,6 +49,12 @@ class Settings:
     room: int = 512  # free slots kept after a cached context for a question and its answer
     min_context_tokens: int = 256  # a conversation's history shorter than this is not cached
     compile: object = "auto"
+
+    def __post_init__(self):
+        for name in ("kv_budget", "struct_budget"):
+            if getattr(self, name) is not None:
+                setattr(self, name, Budget.parse(getattr(self, name), name).value)
+        build(self.method, kv=self.kv_budget, struct=self.struct_budget)  # a bad default fails at start-up
 
 
 @dataclass
@@ -101,12 +107,12 @@ class Engine:
                       code="unknown_method")
         kv = req.kv_budget if req.kv_budget is not None else self.settings.kv_budget
         struct = req.struct_budget if req.struct_budget is not None else self.settings.struct_budget
-        options = {k: v for k, v in budget_options(name, kv, struct).items() if v is not None}
         try:
-            method = get(name, **options)
+            method = build(name, kv=kv, struct=struct)
         except (ValueError, TypeError) as e:
             raise bad("kv_budget", f"bad budget for {name}: {e}") from None
-        return method, (name, *sorted(options.items()))
+        budgets = {k: getattr(method, k) for k in ("kv_budget", "struct_budget") if hasattr(method, k)}
+        return method, (name, *sorted(budgets.items()))
 
     def prepare(self, req: Request, loop) -> Job:
         """Check and tokenize a request (in a thread of the server's pool: long documents take a while)."""

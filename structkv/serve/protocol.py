@@ -14,6 +14,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ..modules.budget import Budget
+
 # Fields a request may carry beyond OpenAI's (the `openai` client sends them with `extra_body=`).
 EXTRA_FIELDS = ("method", "kv_budget", "struct_budget", "context")
 # Accepted only at their neutral value: this server has no such feature.
@@ -49,8 +51,8 @@ class Request:
     prompt: str | None = None
     context: str | None = None  # a document compressed once and cached (extra field)
     method: str | None = None  # None: the server's default
-    kv_budget: float | None = None
-    struct_budget: float | None = None
+    kv_budget: float | int | None = None
+    struct_budget: float | int | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float | None = None
@@ -80,8 +82,8 @@ def parse(body, kind: str) -> Request:
     if req.context is not None and not req.context.strip():
         raise bad("context", "context is empty; leave it out or give the document's text")
     req.method = _string(body, "method")
-    req.kv_budget = _number(body, "kv_budget", low=0, low_open=True)
-    req.struct_budget = _number(body, "struct_budget", low=0, high=1, low_open=True)
+    req.kv_budget = _budget(body, "kv_budget")
+    req.struct_budget = _budget(body, "struct_budget")
     temperature = _number(body, "temperature", low=0, high=2)
     req.temperature = 1.0 if temperature is None else temperature
     req.top_p = _number(body, "top_p", low=0, high=1, low_open=True)
@@ -147,6 +149,19 @@ def _count(body, name):
     if value is not None and value < 1:
         raise bad(name, f"'{name}' must be at least 1, got {value}")
     return value
+
+
+def _budget(body, name):
+    """A `Budget` value: a ratio in (0, 1] (0.1) or a token count (512), as everywhere in structkv."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise bad(name, f"'{name}' must be a number: a ratio in (0, 1] (e.g. 0.1) or a token count (e.g. 512)")
+    try:
+        return Budget.parse(value, f"'{name}'").value
+    except ValueError as e:
+        raise bad(name, str(e)) from None
 
 
 def _number(body, name, low=None, high=None, low_open=False):

@@ -55,10 +55,10 @@ def answer_ids(tokenizer, sample: dict) -> list[int]:
 @torch.inference_mode()
 def measure(model, ids: list[int], methods: list, continuation: int, gold: list[int], compile=False) -> list[dict]:
     """{kl, top1, gold_nll} per method for one prompt (the full cache's own row is the reference)."""
+    from ...compress import compress_shared
     from ...methods import Full
     from ...models.kv_cache import StackedKVCache
     from ...prompts import encode_batch
-    from ...shared import compress_shared
 
     tokens, positions, _ = encode_batch(model, [ids])
     room = continuation + len(gold) + 1

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ... import methods as methods_registry
 from ...files import write_text_atomic
+from ...modules.budget import Budget
 from .. import environment, mean, median
 from . import metrics
 
@@ -61,6 +62,10 @@ class EvalConfig:
     # fidelity: tokens of the full cache's greedy continuation teacher-forced through each method
     continuation: int = 64
 
+    def __post_init__(self):  # budgets parsed once, where the config is made ("0.1" a ratio, "512" a count)
+        self.kv_budgets = [Budget.parse(b, "kv_budget").value for b in self.kv_budgets]
+        self.struct_budget = Budget.parse(self.struct_budget, "struct_budget").value
+
     def validate(self, model_config=None) -> None:
         if self.benchmark not in BENCHMARKS:
             raise ValueError(f"unknown benchmark {self.benchmark!r}; valid: {', '.join(BENCHMARKS)}")
@@ -70,11 +75,6 @@ class EvalConfig:
                 raise ValueError(f"unknown method {name!r}; valid: {', '.join(valid)}")
         if not self.methods:
             raise ValueError("give at least one method")
-        for b in self.kv_budgets:
-            if not 0 < b <= 1:
-                raise ValueError(f"KV budgets are ratios in (0, 1], got {b}")
-        if not 0 < self.struct_budget <= 1:
-            raise ValueError(f"the structural budget is a ratio in (0, 1], got {self.struct_budget}")
         if self.samples is not None and self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if isinstance(self.continuation, bool) or not isinstance(self.continuation, int) or self.continuation < 1:
@@ -154,7 +154,7 @@ def method_runs(cfg: EvalConfig, configs: dict | None = None) -> list[tuple[str,
 
 def make_method(cfg: EvalConfig, name: str, kv_budget: float | None):
     window = {"window": cfg.window} if cfg.window is not None and name not in ("full", "gemfilter") else {}
-    return methods_registry.get(name, **methods_registry.budget_options(name, kv_budget, cfg.struct_budget), **window)
+    return methods_registry.build(name, kv=kv_budget, struct=cfg.struct_budget, **window)
 
 
 # ------------------------------------------------------------------------------ samples
@@ -435,7 +435,7 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
                 raise RuntimeError(f"asked for method {name!r} but the run reported {s.get('method')!r}")
             record = {
                 "key": sample_key(label, sample), "method": s["method"], "label": label, "kv_budget": budget,
-                "struct_budget": cfg.struct_budget if methods_registry.struct_budget_option(name) else None,
+                "struct_budget": cfg.struct_budget if methods_registry.has_struct_budget(name) else None,
                 "length_budget": sample["length_budget"], "task": sample["task"], "index": sample["index"],
                 "depth": sample.get("depth"),
                 "prompt_tokens": len(sample["input_ids"]) + len(sample.get("question_ids", [])),
@@ -539,9 +539,9 @@ def _run_shared(model, input_ids: list[int], methods: list, max_new_tokens: int,
     """Every method on one prompt: one prefill pass (methods share the layers before their
     propagation), then one stacked decode of all their states (after the `question`, when the
     run is query-agnostic, appended to each). Results in the order of `methods`."""
+    from ...compress import compress_shared
     from ...generation import generate_states
     from ...prompts import encode_batch
-    from ...shared import compress_shared
 
     tokens, positions, _ = encode_batch(model, [input_ids])
     room = max_new_tokens + len(question or [])

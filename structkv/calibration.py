@@ -1,8 +1,9 @@
 """calibrate: fix StructKV's pivot for a model from a few prompts (the paper's offline mode).
 
-The detector observes every scored layer of each prompt without firing (its statistics over the
-whole depth and its T curve over the candidate range are kept in the returned traces); the mean
-T curve's peak, `confirm` candidate layers later, becomes the method's fixed pivot. A fixed pivot
+Each prompt runs through the one prefill loop (`structkv.compress.compress_shared`) with an
+observer: the detector sees every scored layer without firing (its statistics over the whole
+depth and its T curve over the candidate range are kept in the returned traces); the mean T
+curve's peak, `confirm` candidate layers later, becomes the method's fixed pivot. A fixed pivot
 costs the same prefill on every input (one host decision), which the per-input detector does not.
 """
 from __future__ import annotations
@@ -11,11 +12,11 @@ import dataclasses
 
 import torch
 
-from ..compress import Stream, check_scorable, layer_block
-from ..modules.pivot import PivotDetector, PivotTrace, calibrate_pivot
-from ..prompts import encode_batch
-from ..timing import NO_TIMER
-from .variants import StructKV
+from .compress import check_scorable, compress_shared
+from .methods import Full, StructKV
+from .modules.pivot import PivotDetector, PivotTrace, calibrate_pivot
+from .prompts import encode_batch
+from .timing import NO_TIMER
 
 
 @torch.inference_mode()
@@ -31,16 +32,17 @@ def calibrate(model, prompts: list, method: StructKV | None = None) -> tuple[Str
     scored = cfg.full_attention_layers
     detector = PivotDetector(cfg.num_layers, scored, method.depth_range, method.weights, method.topk_ratio,
                              method.confirm, method.sinks, observe_all=True)
-    block, traces = layer_block(False, cfg), []
+
+    def observe(view):
+        if view.layer in scored:
+            saliency, _ = view.window_scores(method.window)
+            detector.observe_scores(view.layer, saliency, view.positions, method.window)
+
+    traces = []
     for prompt in prompts:
         tokens, positions, _ = encode_batch(model, [prompt])
         detector.reset(1)
-        stream = Stream.start(model, tokens, positions)
-        for i in range(cfg.num_layers):
-            view = stream.view(i, stream.run_layer(model, i, block), cfg.scale, NO_TIMER)
-            if i in scored:
-                saliency, _ = view.window_scores(method.window)
-                detector.observe_scores(i, saliency, view.positions, method.window)
+        compress_shared(model, tokens, positions, [Full()], room=0, timer=NO_TIMER, observe=observe)
         traces.append(detector.traces[0])
     fixed = dataclasses.replace(method, pivot=calibrate_pivot(traces, detector.candidates, method.confirm))
     fixed.name = method.name  # a registry name (e.g. structkv_paper) stays the method's name

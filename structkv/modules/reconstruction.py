@@ -1,0 +1,93 @@
+"""Context-reconstruction scores (KVzip): how much the model needs each KV entry to repeat its context.
+
+After the prompt's full prefill, the model is asked to repeat the context: a reconstruction
+prompt ("Repeat the previous context exactly:") followed by the context itself is fed on top of
+the full cache, one chunk of the context at a time (each chunk on the original cache, so memory
+stays bounded by one chunk). A context entry's score at a layer is the largest attention
+probability any reconstruction query of any head in its KV group gives it. An entry no query
+needs to reproduce the context is one no later question can need either: the scores do not
+depend on a question, which is what compress-once-ask-many needs.
+
+Shapes: B batch (one row at a time here), Hq / Hkv query / KV heads, G = Hq // Hkv, n context
+tokens, S tokens of a chunk (prompt included), D head dim.
+"""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import torch
+
+from ..models.kv_cache import LayerKVCache
+from ..ops import visible
+
+DEFAULT_PROMPT = "\n\nRepeat the previous context exactly.\n"
+
+
+def reconstruction_scores(model, held: dict, rings: dict, tokens: torch.Tensor, prompt_ids: list[int],
+                          chunk: int) -> tuple[dict, int, float]:
+    """Scores (1, Hkv, n) per planned layer for one row.
+
+    held: layer -> (k, v, positions) of the row's context, k/v (1, Hkv, n, D), positions (1, n)
+    (the layers whose entries are chosen); rings: layer -> that layer's `LayerKVCache` (every other
+    layer, e.g. sliding-window rings, as the compressed cache holds it); tokens (n,) the context's
+    token ids in order. Returns (scores, reconstruction tokens run, seconds).
+    """
+    t0 = time.perf_counter()
+    positions = next(iter(held.values()))[2]  # (1, n)
+    start = int(positions.max()) + 1
+    caches, sizes = _cache(model, held, rings, len(prompt_ids) + chunk)
+    scores = {i: torch.zeros(k.shape[:3], device=k.device) for i, (k, _, _) in held.items()}  # (1, Hkv, n)
+    run = 0
+    for s in range(0, tokens.shape[0], chunk):
+        ids = torch.tensor(prompt_ids, dtype=torch.long, device=tokens.device)
+        ids = torch.cat([ids, tokens[s:s + chunk]])[None]  # (1, S)
+        pos = start + torch.arange(ids.shape[1], device=tokens.device)[None]  # (1, S): right after the context
+        saved = [tuple(b.clone() for b in (layer.k, layer.v, layer.pos, layer.cursor)) for layer in rings.values()]
+
+        def on_layer(i, h, p, q, k, v):
+            if i in scores:
+                scores[i] = torch.maximum(scores[i], _received(q, caches.layers[i], sizes[i], k, p, model))
+
+        model(ids, pos, cache=caches, on_layer=on_layer, last=True)
+        run += ids.shape[1]
+        for i, layer in held.items():  # forget the chunk: back to the context alone
+            caches.layers[i].cursor.fill_(sizes[i])
+            caches.layers[i].pos[:, :, sizes[i]:] = -1
+        for layer, saved_buffers in zip(rings.values(), saved):
+            for buf, value in zip((layer.k, layer.v, layer.pos, layer.cursor), saved_buffers):
+                buf.copy_(value)
+    return scores, run, time.perf_counter() - t0
+
+
+def _cache(model, held: dict, rings: dict, room: int):
+    """A cache object over every layer: the held context (with `room` free slots for a chunk) and
+    the given ring layers. Returns it and the context size of each held layer."""
+    layers, sizes = [], {}
+    for i in range(model.config.num_layers):
+        if i in held:
+            k, v, pos = held[i]
+            cache = LayerKVCache(1, k.shape[1], k.shape[2] + room, k.shape[3], k.dtype, k.device)
+            cache.fill(k, v, pos)
+            sizes[i] = k.shape[2]
+            layers.append(cache)
+        else:
+            layers.append(rings[i])
+    return SimpleNamespace(layers=layers), sizes
+
+
+def _received(q, cache: LayerKVCache, n: int, k_new, q_pos, model) -> torch.Tensor:
+    """Largest attention probability each of the n context entries gets from the chunk's queries:
+    (1, Hkv, n), max over the queries and the G query heads of each KV head; the softmax runs over
+    the context and the chunk's own (causal) keys, as the model's attention does."""
+    B, Hq, S, D = q.shape
+    Hkv = cache.k.shape[1]
+    scale = model.config.scale
+    qg = q.float().reshape(B, Hkv, Hq // Hkv, S, D)  # (1, Hkv, G, S, D)
+    keys = torch.cat([cache.k[:, :, :n], k_new], 2).float()  # (1, Hkv, n + S, D)
+    k_pos = torch.cat([cache.pos[:, :, :n], q_pos[:, None].expand(-1, Hkv, -1)], 2)  # (1, Hkv, n + S)
+    logits = torch.matmul(qg, keys[:, :, None].transpose(-1, -2)) * scale  # (1, Hkv, G, S, n + S)
+    mask = visible(q_pos, k_pos, None)[:, :, None]  # (1, Hkv, 1, S, n + S)
+    logits = logits.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(logits, -1)[..., :n]  # (1, Hkv, G, S, n)
+    return probs.amax(dim=(2, 3))  # (1, Hkv, n)

@@ -1,0 +1,73 @@
+"""The package's shape: no import circle anywhere, function-level imports included (a circle
+patched with an import inside a function is still a circle: the layers depend on each other)."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "structkv"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The structkv modules `path` imports, at any depth of its code."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("structkv")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("structkv"):
+                continue
+            subs = {f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules}
+            out |= subs if subs and len(subs) == len(node.names) else subs | {target}
+    return {m for m in out if m in modules and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    modules = set(paths)
+    return {m: _imports(p, modules) for m, p in paths.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                return stack[stack.index(n):] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        state[m] = "done"
+        stack.pop()
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_circle_in_the_package():
+    cycle = _cycle(_graph())
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_checker_finds_a_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"p": {"p.x"}, "p.x": {"q"}, "q": set()}) is None
+    graph = _graph()  # the lazy import the package once had: methods -> calibration -> compress -> methods
+    graph["structkv.methods"].add("structkv.calibration")
+    assert _cycle(graph) is not None

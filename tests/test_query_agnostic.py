@@ -1,0 +1,138 @@
+"""Query-agnostic methods (compress once, ask many): KVzip's reconstruction scores against a plain
+full-forward reference, KeyDiff's scores against their definition, and their invariants."""
+import math
+
+import pytest
+import torch
+
+import structkv
+from structkv import methods
+from structkv.compress import compress, compress_shared
+from structkv.modules.reconstruction import reconstruction_scores
+from structkv.prompts import encode_batch
+
+
+def _ids(n, seed=0):
+    return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3_text"])
+def model(request, tiny_dir):
+    return structkv.load(tiny_dir(request.param))
+
+
+def _reference(model, ids, prompt, chunk):
+    """Per full-attention layer, the max attention each context token gets from the chunk queries
+    of a plain causal forward over context + prompt + chunk (no cache), max over the KV group."""
+    n, cfg = len(ids), model.config
+    out = {i: torch.zeros(1, cfg.num_kv_heads, n) for i in cfg.full_attention_layers}
+    for s in range(0, n, chunk):
+        seq = torch.tensor([ids + prompt + ids[s:s + chunk]])
+        S = seq.shape[1] - n
+        qk = {}
+        model(seq, on_layer=lambda i, h, p, q, k, v: qk.__setitem__(i, (q, k)))
+        for i in out:
+            q, k = qk[i]
+            G = q.shape[1] // k.shape[1]
+            logits = torch.einsum("bhsd,bhtd->bhst", q.float(), k.repeat_interleave(G, 1).float()) * cfg.scale
+            causal = torch.ones(seq.shape[1], seq.shape[1], dtype=torch.bool).tril()
+            probs = logits.masked_fill(~causal, float("-inf")).softmax(-1)[:, :, n:, :n]  # (1, Hq, S, n)
+            per_kv = probs.reshape(1, k.shape[1], G, S, n).amax(dim=(2, 3))
+            out[i] = torch.maximum(out[i], per_kv)
+    return out
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_reconstruction_scores_equal_a_plain_forward(model, chunk):
+    ids, prompt = _ids(40, 3), [5, 9, 11]
+    tokens, positions, _ = encode_batch(model, [ids])
+    full = compress(model, tokens, positions, methods.get("full"), room=0)
+    # the held context of every full-attention layer, the others as the full cache holds them
+    held, cache = {}, full.cache
+    _, kv = model.prompt_pass(tokens, positions)
+    for i in model.config.full_attention_layers:
+        held[i] = (kv[i][0], kv[i][1], positions)
+    from structkv.modules.retention import _row
+    rings = {i: _row(layer, 0, len(prompt) + chunk) for i, layer in enumerate(cache.layers) if i not in held}
+    scores, run, _ = reconstruction_scores(model, held, rings, tokens[0], prompt, chunk)
+    assert run == len(ids) + math.ceil(len(ids) / chunk) * len(prompt)
+    ref = _reference(model, ids, prompt, chunk)
+    for i in ref:
+        torch.testing.assert_close(scores[i], ref[i], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["kvzip", "keydiff"])
+def test_budget_is_met_exactly_and_the_window_is_kept(model, name):
+    ids = _ids(90, 1)
+    tokens, positions, _ = encode_batch(model, [ids])
+    method = methods.get(name, kv_budget=20, window=6, **({"chunk": 32} if name == "kvzip" else {}))
+    state = compress(model, tokens, positions, method, room=8)
+    for i in model.config.full_attention_layers:
+        pos = state.cache.layers[i].pos[0]  # (Hkv, C)
+        for head in pos:
+            kept = head[head >= 0]
+            assert len(kept) == 20 and len(set(kept.tolist())) == 20  # exact budget, unique
+            assert set(range(84, 90)) <= set(kept.tolist())  # the window
+            assert torch.equal(kept, kept.sort().values)  # original positions, in order
+
+
+def test_kvzip_reports_its_extra_prefill(model):
+    ids = _ids(70, 2)
+    tokens, positions, _ = encode_batch(model, [ids])
+    state = compress(model, tokens, positions, methods.get("kvzip", kv_budget=0.2, chunk=32, prompt=""), room=8)
+    assert state.stats.reconstruction_tokens == 70  # no prompt ids: the context once more
+    assert state.stats.prefill_fraction == pytest.approx(2.0)
+    assert 0 <= state.stats.reconstruction_s <= state.stats.prefill_s
+
+
+def test_kvzip_in_a_padded_batch_equals_each_row_alone(model):
+    a, b = _ids(70, 4), _ids(52, 5)
+    tokens, positions, _ = encode_batch(model, [a, b])
+    method = methods.get("kvzip", kv_budget=0.25, chunk=24)
+    batch = compress(model, tokens, positions, method, room=8)
+    for row, ids in enumerate((a, b)):
+        t, p, _ = encode_batch(model, [ids])
+        alone = compress(model, t, p, method, room=8)
+        for x, y in zip(batch.cache.layers, alone.cache.layers):
+            kept_x = x.pos[row][x.pos[row] >= 0]
+            kept_y = y.pos[0][y.pos[0] >= 0]
+            assert torch.equal(kept_x.sort().values, kept_y.sort().values)
+        torch.testing.assert_close(batch.logits[row], alone.logits[0], rtol=0, atol=1e-4)
+
+
+def test_keydiff_scores_are_minus_cosine_to_the_mean_key(model):
+    ids = _ids(50, 6)
+    tokens, positions, _ = encode_batch(model, [ids])
+    seen = {}
+
+    def observe(view):
+        if view.layer in model.config.full_attention_layers:
+            seen[view.layer] = (methods.get("keydiff").kv_scores(view), view.k)
+    compress_shared(model, tokens, positions, [methods.get("full")], room=0, observe=observe)
+    for scores, k in seen.values():
+        keys = torch.nn.functional.normalize(k.float(), dim=-1)  # (1, Hkv, n, D)
+        anchor = keys.mean(2, keepdim=True)
+        want = -(keys * anchor).sum(-1) / anchor.norm(dim=-1)
+        torch.testing.assert_close(scores, want, rtol=1e-5, atol=1e-6)
+
+
+def test_query_agnostic_methods_share_the_full_prefill(model):
+    """Their hidden states are the full cache's: one lane with SnapKV, each state its own compress."""
+    tokens, positions, _ = encode_batch(model, [_ids(64, 7)])
+    group = [methods.get("snapkv", kv_budget=0.2), methods.get("kvzip", kv_budget=0.2, chunk=16),
+             methods.get("keydiff", kv_budget=0.3)]
+    states = compress_shared(model, tokens, positions, group, room=8)
+    assert states[0].stats.shared_prefill["lanes"] == 1
+    for method, state in zip(group, states):
+        alone = compress(model, tokens, positions, method, room=8)
+        for x, y in zip(state.cache.layers, alone.cache.layers):
+            assert torch.equal(x.pos, y.pos)
+        assert state.stats.reconstruction_tokens == alone.stats.reconstruction_tokens
+
+
+@pytest.mark.parametrize("options, message", [({"chunk": 0}, "chunk must be a positive int"),
+                                              ({"prompt": 3}, "prompt must be text"),
+                                              ({"window": -1}, "window must be an int")])
+def test_bad_kvzip_options(options, message):
+    with pytest.raises(ValueError, match=message):
+        methods.get("kvzip", **options)
