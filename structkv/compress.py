@@ -77,8 +77,10 @@ class Stream:
         cols = torch.arange(S, device=tokens.device).expand(B, S)
         return cls(model.embed(tokens), pos, cols, getattr(model, "tp", None))
 
-    def view(self, i: int, q, k, v, scale: float, timer: Timer) -> LayerView:
-        return LayerView(i, q, k, v, self.positions, self.columns, scale, timer=timer, tp=self.tp)
+    def view(self, i: int, q, k, v, model, timer: Timer) -> LayerView:
+        inv_freq = getattr(model, f"inv_freq_{model.config.layer_types[i]}")
+        return LayerView(i, q, k, v, self.positions, self.columns, model.config.scale, timer=timer, tp=self.tp,
+                         inv_freq=inv_freq)
 
     def kept_columns(self) -> torch.Tensor:
         """(B, n) prompt columns of the current tokens, -1 on padding."""
@@ -208,13 +210,12 @@ def _run_stream(model, tokens, start: int, stream: Stream, riders: list[_Lane], 
                 compile, ledger: Ledger, block) -> None:
     """Layers `start`.. of one stream through `Decoder.run`; lanes that propagate fork off (the
     stream continues as a fork when no lane stays on it)."""
-    cfg = model.config
 
     def on_layer(i, h, positions, q, k, v):
         nonlocal stream, riders, observe
         ledger.charge(_targets(riders), ledger.since_mark(), "blocks")
         stream.h = h
-        view = stream.view(i, q, k, v, cfg.scale, ledger.timer)
+        view = stream.view(i, q, k, v, model, ledger.timer)
         if observe is not None:
             observe(view)
         forks = []

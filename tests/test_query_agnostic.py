@@ -136,3 +136,43 @@ def test_query_agnostic_methods_share_the_full_prefill(model):
 def test_bad_kvzip_options(options, message):
     with pytest.raises(ValueError, match=message):
         methods.get("kvzip", **options)
+
+
+def _rotation(inv_freq, position):
+    """The RoPE rotation of `position` as a (D, D) matrix (HF rotate_half layout)."""
+    half = inv_freq.shape[0]
+    angles = position * inv_freq
+    R = torch.zeros(2 * half, 2 * half)
+    for j, a in enumerate(angles.tolist()):
+        c, s = math.cos(a), math.sin(a)
+        R[j, j], R[j, j + half], R[j + half, j], R[j + half, j + half] = c, -s, s, c
+    return R
+
+
+@pytest.mark.parametrize("covariance, vnorm", [(True, True), (False, False)])
+def test_expected_attention_equals_its_formula_with_rotation_matrices(model, covariance, vnorm):
+    ids = _ids(30, 8)
+    tokens, positions, _ = encode_batch(model, [ids])
+    method = methods.get("expected_attention", future=5, sinks=2, covariance=covariance, vnorm=vnorm)
+    seen = {}
+
+    def observe(view):
+        if view.layer == model.config.full_attention_layers[0]:
+            seen["x"] = (method.kv_scores(view), view.q, view.k, view.v, view.inv_freq)
+    compress_shared(model, tokens, positions, [methods.get("full")], room=0, observe=observe)
+    scores, q, k, v, inv_freq = seen["x"]
+    n, G, scale = len(ids), q.shape[1] // k.shape[1], model.config.scale
+    pre = torch.stack([_rotation(inv_freq, p).T @ q[0, :, p].T.float() for p in range(n)], 1).permute(2, 1, 0)
+    mean_R = sum(_rotation(inv_freq, n + t) for t in range(5)) / 5
+    want = torch.zeros(k.shape[1], n)
+    for h in range(q.shape[1]):
+        x = pre[h, 2:]  # (n - sinks, D): the statistics leave out the sinks
+        mu = mean_R @ x.mean(0)
+        keys = k[0, h // G].float()
+        logits = scale * keys @ mu
+        if covariance:
+            sigma = mean_R @ ((x - x.mean(0)).T @ (x - x.mean(0)) / x.shape[0]) @ mean_R.T
+            logits = logits + 0.5 * scale**2 * ((keys @ sigma) * keys).sum(-1)
+        p = logits.softmax(-1) * (v[0, h // G].float().norm(dim=-1) if vnorm else 1)
+        want[h // G] += p
+    torch.testing.assert_close(scores[0], want, rtol=1e-4, atol=1e-6)

@@ -6,7 +6,19 @@ from dataclasses import dataclass, field
 
 from ..modules.budget import Budget
 from .base import Method
-from .variants import H2O, FastKV, Full, GemFilter, KeyDiff, KVzip, PyramidKV, SnapKV, StreamingLLM, StructKV
+from .variants import (
+    H2O,
+    ExpectedAttention,
+    FastKV,
+    Full,
+    GemFilter,
+    KeyDiff,
+    KVzip,
+    PyramidKV,
+    SnapKV,
+    StreamingLLM,
+    StructKV,
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,7 @@ register("structkv", StructKV)
 # Query-agnostic scoring (no observation window): compress once, ask many.
 register("kvzip", KVzip)
 register("keydiff", KeyDiff)
+register("expected_attention", ExpectedAttention)
 # The paper's algorithm as written, with the faithful reading where it is silent (the detector's
 # statistics over ranked columns, normalised changes, L* = argmax T + 1; lambda by layer distance).
 register("structkv_paper", StructKV, pivot="dynamic", confirm=1, decay=0.9, skeleton="centrality",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..models.decoder import apply_rope, rope_cos_sin, rotate_half
 from ..ops import window_scores
 
 H2O_QUERY_BLOCK = 1024
@@ -38,3 +39,45 @@ def last_query_logits(q, k, valid, kernel: int, reduce=None) -> torch.Tensor:
         z = reduce(z)
     z = torch.where(valid, z, torch.zeros_like(z))
     return F.avg_pool1d(z[:, None], kernel, stride=1, padding=kernel // 2, count_include_pad=True)[:, 0, : z.shape[1]]
+
+
+def expected_attention(q, k, v, positions, inv_freq, scale: float, future: int, sinks: int, covariance: bool,
+                       vnorm: bool) -> torch.Tensor:
+    """Expected Attention's score (kvpress' ExpectedAttentionPress, written from its paper's
+    formula): the attention each key can expect from queries not seen yet, (B, Hkv, n).
+
+    The next queries are modelled per head as a Gaussian with the mean mu and covariance Sigma of
+    the prompt's queries before RoPE (the first `sinks` tokens left out), turned by the mean RoPE
+    rotation R of the next `future` positions. Then E[exp(q.k s)] = exp(s mu'.k + s^2 k'Sigma'k / 2)
+    with mu' = R mu, Sigma' = R Sigma R^T; normalised over the keys (a softmax of those logits),
+    times ||v|| with `vnorm`, summed over the query heads of each KV head. Shapes: q (B, Hq, n, D)
+    after RoPE, k, v (B, Hkv, n, D), positions (B, n) (-1 padding), inv_freq (D/2,).
+    """
+    B, Hq, n, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    valid = positions >= 0
+    cos, sin = rope_cos_sin(inv_freq, positions, torch.float32)  # (B, 1, n, D)
+    q0 = apply_rope(q.float(), cos, -sin)  # (B, Hq, n, D): each token's rotation undone
+    rank = valid.long().cumsum(1) - 1
+    w = (valid & (rank >= sinks))[:, None, :, None].float()  # (B, 1, n, 1): tokens in the statistics
+    count = w.sum(2).clamp_min(1.0)  # (B, 1, 1)
+    mu = (q0 * w).sum(2) / count  # (B, Hq, D)
+    ahead = positions.max(1).values[:, None] + 1 + torch.arange(future, device=q.device)  # (B, F)
+    fc, fs = rope_cos_sin(inv_freq, ahead, torch.float32)  # (B, 1, F, D)
+    c, s = fc.mean(2)[:, :, None], fs.mean(2)[:, :, None]  # (B, 1, 1, D): the mean rotation
+
+    def rotate(x):  # R x over the last dim of x (B, Hq, m, D)
+        return x * c + rotate_half(x) * s
+
+    keys = k.float().repeat_interleave(G, dim=1)  # (B, Hq, n, D)
+    logits = scale * torch.einsum("bhd,bhnd->bhn", rotate(mu[:, :, None])[:, :, 0], keys)  # (B, Hq, n)
+    if covariance:
+        centred = (q0 - mu[:, :, None]) * w  # (B, Hq, n, D)
+        sigma = centred.transpose(-1, -2) @ centred / count[..., None]  # (B, Hq, D, D)
+        sigma = rotate(rotate(sigma).transpose(-1, -2))  # R Sigma R^T
+        logits = logits + 0.5 * scale**2 * torch.einsum("bhnd,bhde,bhne->bhn", keys, sigma, keys)
+    probs = logits.masked_fill(~valid[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)  # (B, Hq, n)
+    if vnorm:
+        probs = probs * v.float().norm(dim=-1).repeat_interleave(G, dim=1)
+    return probs.view(B, Hkv, G, n).sum(2)  # (B, Hkv, n)

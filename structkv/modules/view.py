@@ -29,6 +29,7 @@ class LayerView:
     timer: Timer = NO_TIMER
     used: set = field(default_factory=set)
     tp: object = None  # a TensorParallel: q/k/v hold this rank's heads, scores are gathered from all
+    inv_freq: torch.Tensor | None = None  # (D/2,) the layer's RoPE frequencies (expected attention)
 
     @property
     def num_kv_heads(self) -> int:
