@@ -308,7 +308,9 @@ def _finish(model, tokens, stream: Stream, lanes: list[_Lane], lengths, ledger: 
     for lane in lanes:
         lane.done = True
         for target in lane.targets:
-            target.store.finish(model, tokens)
+            with ledger.timer.phase("finish") as span:  # KVzip's reconstruction runs here: its own work
+                target.store.finish(model, tokens)
+            target.own.totals["finish"] += span.seconds
             target.state = CompressedState(target.store.cache, logits, next_positions, lengths.tolist(),
                                            target.method, None, kept)
 
