@@ -20,8 +20,8 @@ import time
 import torch
 
 import structkv
-from structkv.data import needle_prompt
 from structkv.generation import compiled_prefill
+from structkv.harness.eval.sources import needle_prompt
 
 
 def hf_twin(model):

@@ -46,7 +46,7 @@ def main():
             k = torch.randn(1, HKV, n, D, device="cuda", dtype=dtype, generator=g)
             k_pos = torch.arange(n, device="cuda")[None]
             q_pos = k_pos[:, -W:].contiguous()
-            sal, ent = window_scores(q, k, q_pos, k_pos)
+            sal, ent = window_scores(q, k, q_pos, k_pos, entropy=True)
             ref_sal, ref_ent = window_scores_naive(q, k, q_pos, k_pos, D**-0.5)
             err_s = (sal - ref_sal).abs().max().item()
             err_e = (ent - ref_ent).abs().max().item()
@@ -70,8 +70,8 @@ def main():
     k_pos = torch.arange(N, device="cuda")[None]
     idx = torch.stack([torch.randperm(N, device="cuda")[:M].sort().values for _ in range(H)])[None]
     bufs = [(torch.zeros(B, H, C, D, device="cuda", dtype=torch.bfloat16), torch.zeros(B, H, C, D, device="cuda",
-             dtype=torch.bfloat16), torch.zeros(B, H, C, dtype=torch.long, device="cuda"),
-             torch.zeros(B, H, dtype=torch.long, device="cuda")) for _ in range(2)]
+             dtype=torch.bfloat16), torch.zeros(B, H, C, dtype=torch.long, device="cuda"))
+            for _ in range(2)]
     compact_kv_triton(*bufs[0], k, v, k_pos, idx)
     compact_kv_reference(*bufs[1], k, v, k_pos, idx)
     same = all(torch.equal(a, b) for a, b in zip(*bufs))

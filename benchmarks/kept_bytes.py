@@ -2,7 +2,7 @@
 
 Records written before kept bytes were (`kv_bytes_kept`) cannot show what their methods kept. For
 methods without propagation (full, StreamingLLM, SnapKV, PyramidKV, H2O) the kept entries follow
-from the prompt length alone (`Method.planned_kv_entries`), so this recomputes them from each
+from the prompt length alone (`planned_kv_entries` below), so this recomputes them from each
 record's `prompt_tokens` and the folder's model config. Where a record has the measured value too,
 the two are compared (they must be equal: the planned count is tested against `compress`).
 
@@ -25,9 +25,25 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 import structkv
 from structkv import methods
 from structkv.harness.eval.folders import prompt_key, runs
+
+
+def planned_kv_entries(method, cfg, length: int) -> list[int] | None:
+    """Entries a `length`-token prompt keeps per layer (summed over KV heads) under `method` on a
+    model of config `cfg`, when the plan alone fixes them: every token reaches every layer (no
+    propagation), so planned layers keep their budget, sliding layers their window, the others
+    every token. None when a propagation makes the count depend on the content (FastKV, StructKV,
+    GemFilter). Tested equal to what `compress` keeps (tests/test_methods.py)."""
+    lengths = torch.tensor([length])
+    if method.propagation(cfg, lengths) is not None:
+        return None
+    plan = method.kv_plan(cfg, lengths)
+    return [min(plan[i][0] if i in plan else length, length, cfg.window(i) or length) * cfg.num_kv_heads
+            for i in range(cfg.num_layers)]
 
 
 def method_of(record: dict):
@@ -43,7 +59,7 @@ def render(by: dict[str, list[dict]], cfg, per_entry: int, common: bool) -> str:
              "|---|---|---|---|---|"]
     for label in sorted(by):
         recs, method = by[label], method_of(by[label][0])
-        planned = [method.planned_kv_entries(cfg, r["prompt_tokens"]) for r in recs]
+        planned = [planned_kv_entries(method, cfg, r["prompt_tokens"]) for r in recs]
         planned = None if None in planned else [sum(p) * per_entry for p in planned]
         measured = [r.get("kv_bytes_kept") for r in recs]
         pairs = [] if planned is None else [(m, p) for m, p in zip(measured, planned) if m is not None]

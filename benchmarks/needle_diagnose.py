@@ -15,11 +15,11 @@ from needle_methods import build
 
 import structkv
 from structkv.compress import compress
-from structkv.data import needle_prompt
+from structkv.harness.eval.sources import needle_prompt
 from structkv.models.decoder import run_block
 from structkv.modules import pool_scores
 from structkv.ops import window_scores
-from structkv.prompts import encode_batch
+from structkv.text.prompts import encode_batch
 
 
 @torch.inference_mode()
@@ -32,8 +32,8 @@ def needle_ranks(model, ids, span, window=8, kernel=7):
     for i in range(model.config.num_layers):
         h, q, k, _ = run_block(model.model.layers[i], h, positions, *rope[model.config.layer_types[i]])
         if model.config.window(i) is None:
-            sal, _ = window_scores(q[:, :, -window:], k, positions[:, -window:].contiguous(), positions,
-                                   scale=model.config.scale)
+            sal = window_scores(q[:, :, -window:], k, positions[:, -window:].contiguous(), positions,
+                                scale=model.config.scale)
             s = pool_scores(sal[:, :, : n - window], kernel, "max").sum(1)[0]  # (n - w,)
             order = torch.argsort(s, descending=True, stable=True)
             rank = torch.empty_like(order)

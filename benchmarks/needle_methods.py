@@ -18,7 +18,7 @@ import torch
 
 import structkv
 from structkv import methods
-from structkv.data import needle_prompt
+from structkv.harness.eval.sources import needle_prompt
 
 DEFAULT_METHODS = "full,streaming_llm,snapkv,pyramidkv,h2o,gemfilter,fastkv,structkv"
 

@@ -64,7 +64,7 @@ def curves(model, ids: list[int], answer: list[int], window: int, sinks: int, to
         nonlocal centrality
         if view.layer not in model.config.full_attention_layers:
             return
-        sal, _ = view.window_scores(window)  # (1, Hkv, n)
+        sal = view.window_scores(window)  # (1, Hkv, n)
         pooled = pooled_saliency(sal, window, 7, "max")[0].sum(0)  # (n,)
         centrality = decay * centrality + pooled
         h, rho, var = ranked_stats(sal[0], window, sinks, topk)

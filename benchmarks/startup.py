@@ -155,7 +155,7 @@ def main() -> int:
                    help="decode: only the cost and saving of compiling the decode step")
     args = p.parse_args()
     import structkv
-    from structkv.data import needle_prompt
+    from structkv.harness.eval.sources import needle_prompt
 
     model = structkv.load("gemma-3-270m")  # converts the GGUF once, so the rows below time what they say
     tmp = Path(tempfile.mkdtemp())

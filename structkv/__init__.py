@@ -1,13 +1,13 @@
 """structkv: structure-aware KV-cache compression (StructKV and its baselines) for long-context LLMs."""
 from . import methods, models, modules, ops
 from .calibration import calibrate
-from .compress import CompressedState, compress, compress_shared, prefill
+from .compress import CompressedState, MethodPass, compress, compress_shared, prefill, prepare
 from .generation import GenerationResult, generate, generate_states
 from .methods import H2O, FastKV, Full, GemFilter, PyramidKV, SnapKV, StreamingLLM, StructKV
 from .models import load
 from .stats import PrefillStats
 
 __version__ = "0.1.0"
-__all__ = ["CompressedState", "FastKV", "Full", "GemFilter", "GenerationResult", "H2O", "PrefillStats", "PyramidKV",
-           "SnapKV", "StreamingLLM", "StructKV", "calibrate", "compress", "compress_shared", "generate",
-           "generate_states", "load", "methods", "models", "modules", "ops", "prefill"]
+__all__ = ["CompressedState", "FastKV", "Full", "GemFilter", "GenerationResult", "H2O", "MethodPass", "PrefillStats",
+           "PyramidKV", "SnapKV", "StreamingLLM", "StructKV", "calibrate", "compress", "compress_shared", "generate",
+           "generate_states", "load", "methods", "models", "modules", "ops", "prefill", "prepare"]

@@ -15,7 +15,7 @@ import torch
 from .compress import check_scorable, compress_shared
 from .methods import Full, StructKV
 from .modules.pivot import PivotDetector, PivotTrace, calibrate_pivot
-from .prompts import encode_batch
+from .text.prompts import encode_batch
 from .timing import NO_TIMER
 
 
@@ -30,13 +30,13 @@ def calibrate(model, prompts: list, method: StructKV | None = None) -> tuple[Str
     cfg = model.config
     check_scorable(cfg)
     scored = cfg.full_attention_layers
-    detector = PivotDetector(cfg.num_layers, scored, method.depth_range, method.weights, method.topk_ratio,
-                             method.confirm, method.sinks, observe_all=True)
+    settings = method.settings()
+    detector = PivotDetector.from_config(cfg.num_layers, scored, settings)
+    detector.observe_all = True  # record every scored layer, never fire
 
     def observe(view):
         if view.layer in scored:
-            saliency, _ = view.window_scores(method.window)
-            detector.observe_scores(view.layer, saliency, view.positions, method.window)
+            detector(view.layer, view.window_scores(settings.window), view.positions, settings.window, view.lengths)
 
     traces = []
     for prompt in prompts:

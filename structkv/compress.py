@@ -31,12 +31,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import probe as probing
 from .methods import Full, Method
 from .models.decoder import STOP, run_block
 from .models.kv_cache import BudgetedKVCache
 from .modules import LayerView
-from .prompts import encode_batch, is_batch
 from .stats import PrefillStats
+from .text.prompts import encode_batch, is_batch
 from .timing import NO_TIMER, Timer, clock
 
 
@@ -63,24 +64,29 @@ class CompressedState:
 
 @dataclass
 class Stream:
-    """The tokens still computed: hidden states (B, n, E), original positions and prompt columns (B, n)."""
+    """The tokens still computed: hidden states (B, n, E), original positions and prompt columns
+    (B, n), and each row's count of real tokens (host ints: every size the loop needs is known on
+    the host, so no layer reads the device back except for a decision that depends on the data)."""
 
     h: torch.Tensor
     positions: torch.Tensor
     columns: torch.Tensor
+    lengths: list[int]
     tp: object = None  # the model's TensorParallel group, if it is one rank's shard
+    probe: int = 0  # the last `probe` tokens are a probe (`structkv.probe`), not context
 
     @classmethod
-    def start(cls, model, tokens: torch.Tensor, positions: torch.Tensor) -> "Stream":
+    def start(cls, model, tokens: torch.Tensor, positions: torch.Tensor, lengths: list[int],
+              probe: int = 0) -> "Stream":
         B, S = tokens.shape
         pos = positions.clone()  # an inference tensor like every later one: no recompile after propagation
         cols = torch.arange(S, device=tokens.device).expand(B, S)
-        return cls(model.embed(tokens), pos, cols, getattr(model, "tp", None))
+        return cls(model.embed(tokens), pos, cols, lengths, getattr(model, "tp", None), probe)
 
     def view(self, i: int, q, k, v, model, timer: Timer) -> LayerView:
         inv_freq = getattr(model, f"inv_freq_{model.config.layer_types[i]}")
         return LayerView(i, q, k, v, self.positions, self.columns, model.config.scale, timer=timer, tp=self.tp,
-                         inv_freq=inv_freq)
+                         inv_freq=inv_freq, lengths=self.lengths)
 
     def kept_columns(self) -> torch.Tensor:
         """(B, n) prompt columns of the current tokens, -1 on padding."""
@@ -89,18 +95,60 @@ class Stream:
     def gather(self, pruner, indices: torch.Tensor) -> "Stream":
         """The kept tokens (B, K) as a new stream, original positions kept."""
         h, cols, pos = pruner.gather(indices, self.h, self.columns, positions=self.positions)
-        return Stream(h, pos, cols, self.tp)
+        return Stream(h, pos, cols, pruner.counts, self.tp, self.probe)
 
 
 @dataclass
-class _Target:
-    """One method's share of the pass: its plan, propagation and cache (`Retention`, None when it
-    restarts), and the seconds of the work it needed (the ledger's account)."""
+class MethodPass:
+    """One method's share of a prefill: its per-layer KV plan, its propagation (None: none) and
+    the `Retention` that fills its `BudgetedKVCache` (None when the propagation restarts: the
+    restart makes the cache). `prepare` makes one; a decoder of your own calls `layer(view)`
+    after each layer and `finish()` after the last (the prefill loop does the same, timed)."""
 
     method: Method
     plan: dict[int, list[int]]
     prop: object
     store: object
+
+    @property
+    def cache(self) -> BudgetedKVCache:
+        return self.store.cache
+
+    def layer(self, view) -> torch.Tensor | None:
+        """Store layer `view.layer`'s entries, let the propagation see it; the kept token indices
+        (B, K) when it propagates here (gather the hidden states with `prop.pruner.gather`)."""
+        self.store.layer(view)
+        kept = self.prop(view) if self.prop is not None else None
+        self.store.after_propagation(self.prop)
+        return kept
+
+    def finish(self, model=None, tokens=None) -> None:
+        """After the last layer: entries held for later are chosen now (StructKV's guide, KVzip)."""
+        self.store.finish(model, tokens)
+
+
+def prepare(method: Method, layout, lengths: torch.Tensor, num_kv_heads: int, head_dim: int, room: int,
+            dtype=torch.float32, device=None, num_tokens: int | None = None) -> MethodPass:
+    """`method`'s plan, propagation and cache for prompts of `lengths` (B,) tokens on a model of
+    `layout` (a `ModelConfig`, or a `Layout` for a decoder of your own: every layer full
+    attention), `room` free slots per layer after the kept entries. `num_tokens`: the prompt's
+    columns (padding included; default the longest row)."""
+    num_tokens = int(lengths.max()) if num_tokens is None else num_tokens
+    plan, prop = method.kv_plan(layout, lengths), method.propagation(layout, lengths)
+    if prop is not None:
+        prop.begin(num_tokens, device)
+    if prop is not None and prop.restart:
+        return MethodPass(method, plan, prop, None)
+    budgets = [max(plan[i]) if i in plan else num_tokens for i in range(layout.num_layers)]
+    cache = BudgetedKVCache.for_model(layout, len(lengths), budgets, room, dtype, device, num_kv_heads, head_dim)
+    return MethodPass(method, plan, prop, method.retention(plan, cache))
+
+
+@dataclass
+class _Target(MethodPass):
+    """A `MethodPass` in a shared prefill, with the seconds of the work it needed (the ledger's
+    account) and the state it ends with."""
+
     own: Timer = field(default_factory=lambda: Timer(enabled=False))  # phase totals, filled by the ledger
     other_s: float = 0.0  # layer blocks, logits, restart
     state: CompressedState | None = None
@@ -112,7 +160,7 @@ class _Lane:
 
     targets: list[_Target]
     prop: object  # the lead method's Propagation, or None
-    processed: list = field(default_factory=list)  # tokens computed per layer (0-d tensors: no host sync)
+    processed: list[int] = field(default_factory=list)  # tokens computed per layer
     done: bool = False
 
 
@@ -142,14 +190,10 @@ class Ledger:
 
 
 def plan_method(model, method: Method, lengths, num_tokens: int, room: int) -> _Target:
-    """The method's per-layer KV plan, its propagation and the `Retention` that fills its cache
-    (None when the propagation restarts: the restart makes the cache)."""
+    """`prepare` on the model's config, as a target of the shared pass."""
     cfg = model.config
-    plan, prop = method.kv_plan(cfg, lengths), method.propagation(cfg, lengths)
-    budgets = [max(plan[i]) if i in plan else num_tokens for i in range(cfg.num_layers)]
-    cache = None if prop is not None and prop.restart else BudgetedKVCache.for_model(
-        cfg, len(lengths), budgets, room, model.dtype, model.device)
-    return _Target(method, plan, prop, None if cache is None else method.retention(plan, cache))
+    p = prepare(method, cfg, lengths, cfg.num_kv_heads, cfg.head_dim, room, model.dtype, model.device, num_tokens)
+    return _Target(p.method, p.plan, p.prop, p.store)
 
 
 def check_scorable(cfg) -> None:
@@ -179,18 +223,40 @@ def compress_shared(model, tokens: torch.Tensor, positions: torch.Tensor, method
     methods = [m or Full() for m in methods]
     if not methods:
         raise ValueError("compress_shared needs at least one method")
-    cfg = model.config
-    check_scorable(cfg)
-    ledger = Ledger(Timer() if timer is None else timer)
+    check_scorable(model.config)
+    timer = Timer() if timer is None else timer
+    groups: dict[str | None, list[int]] = {}  # methods with one probe run on the same tokens
+    for i, m in enumerate(methods):
+        groups.setdefault(probing.probe_of(m), []).append(i)
+    out = [None] * len(methods)
+    for text, index in groups.items():
+        group = [methods[i] for i in index]
+        if text is None:
+            states = _compress(model, tokens, positions, group, room, compile, timer, observe)
+        else:
+            ids = probing.probe_ids(model, text)
+            ext, ext_pos = probing.extend(tokens, positions, ids)
+            states = _compress(model, ext, ext_pos, [probing.widened(m, len(ids)) for m in group], room, compile,
+                               timer, observe, probe=len(ids))
+        for i, method, state in zip(index, group, states):
+            state.method, out[i] = method, state
+    return out
+
+
+def _compress(model, tokens, positions, methods, room, compile, timer, observe, probe: int = 0):
+    """The pass of `compress_shared` for methods on the same tokens (the last `probe` a probe)."""
+    ledger = Ledger(timer)
     t0, lengths = clock(), (positions >= 0).sum(1)
+    rows = lengths.tolist()  # the one read-back before the layers: every later size follows from it
     with ledger.timer.phase("plan"):
         targets = [plan_method(model, m, lengths, tokens.shape[1], room) for m in methods]
     lanes = _lanes(targets, tokens)
-    block = layer_block(compile, cfg)
-    pending = [(0, Stream.start(model, tokens, positions), lanes, observe)]
+    block = layer_block(compile, model.config)
+    pending = [(0, Stream.start(model, tokens, positions, rows, probe), lanes, observe)]
+    context = lengths - probe  # what the states and their stats speak of
     while pending:
-        _run_stream(model, tokens, *pending.pop(0), pending, lengths, room, compile, ledger, block)
-    return _states(model, targets, lanes, lengths, clock() - t0, ledger)
+        _run_stream(model, tokens, *pending.pop(0), pending, context, room, compile, ledger, block)
+    return _states(model, targets, lanes, context, clock() - t0, ledger)
 
 
 def _lanes(targets: list[_Target], tokens) -> list[_Lane]:
@@ -199,10 +265,7 @@ def _lanes(targets: list[_Target], tokens) -> list[_Lane]:
         groups.setdefault(t.method.prefill_key(), []).append(t)
     lanes = []
     for members in groups.values():
-        prop = members[0].prop
-        if prop is not None:
-            prop.begin(tokens.shape[1], tokens.device)
-        lanes.append(_Lane(members, prop))
+        lanes.append(_Lane(members, members[0].prop))  # `prepare` began each propagation
     return lanes
 
 
@@ -252,7 +315,7 @@ def _layer(model, tokens, lane: _Lane, view, lengths, room, compile, ledger: Led
     """One layer of one lane: each method's cache, then the lane's propagation; the kept token
     indices (B, K) when the lane propagates here (a restart finishes the lane instead)."""
     timer = ledger.timer
-    lane.processed.append(view.valid.sum())
+    lane.processed.append(sum(view.lengths))
     window = lane.prop.window_needed(view.layer) if lane.prop is not None else None
     lane_keys = {("window", window)} if window else set()
     if window:
@@ -301,27 +364,31 @@ def restart(model, tokens, view, kept, prop, room, compile) -> CompressedState:
 def _finish(model, tokens, stream: Stream, lanes: list[_Lane], lengths, ledger: Ledger) -> None:
     """Last-token logits once for the stream, then each of its lanes' states."""
     t = clock(sync=ledger.timer.enabled)
-    logits = model.logits(stream.h[:, -1])
+    logits = model.logits(stream.h[:, -1 - stream.probe])  # the context's last token (a probe follows it)
     next_positions = stream.positions.max(dim=1, keepdim=True).values + 1  # (B, 1)
     kept = stream.kept_columns()
     ledger.charge(_targets(lanes), clock(sync=ledger.timer.enabled) - t, "logits")
     for lane in lanes:
         lane.done = True
+        memo = {}  # one reconstruction for every KVzip budget of the lane
         for target in lane.targets:
             with ledger.timer.phase("finish") as span:  # KVzip's reconstruction runs here: its own work
-                target.store.finish(model, tokens)
-            target.own.totals["finish"] += span.seconds
+                target.store.finish(model, tokens, memo)
+            extra = getattr(target.store, "reconstruction", None)  # shared in the lane, charged to each in full
+            target.own.totals["finish"] += extra["seconds"] if extra else span.seconds
             target.state = CompressedState(target.store.cache, logits, next_positions, lengths.tolist(),
                                            target.method, None, kept)
+            if stream.probe:
+                probing.drop(target.state, stream.probe)  # before the stats: they count what stays
 
 
 def _states(model, targets: list[_Target], lanes: list[_Lane], lengths, elapsed: float, ledger: Ledger):
-    """Each target's state with its stats (one host sync for every lane's token counts)."""
+    """Each target's state with its stats."""
     timer = ledger.timer
     overhead = max(elapsed - timer.total(), 0.0)
     out = []
     for lane in lanes:
-        processed = [int(x) for x in torch.stack([torch.as_tensor(p) for p in lane.processed]).tolist()]
+        processed = lane.processed
         for target in lane.targets:
             state = target.state
             alone = target.other_s + target.own.total() + overhead if timer.enabled and len(targets) > 1 else elapsed
@@ -357,7 +424,7 @@ def prefill(model, context=None, method: Method | None = None, *, messages=None,
     if (context is None) == (messages is None):
         raise ValueError("give the context either as `context` (text or ids) or as chat `messages`")
     if messages is not None:
-        from .chat import encode as encode_chat
+        from .text.chat import encode as encode_chat
 
         context = encode_chat(_tokenizer(model), messages, add_generation_prompt=False)
     tokens, positions, _ = encode_batch(model, context if is_batch(context) else [context])

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .compiling import compiled, mark_warm, should_compile_decode
-from .detokenize import StopText
 from .models.kv_cache import StackedKVCache, StaticKVCache, round_capacity
-from .prompts import PROMPT_TYPES, encode_batch, ids_from_prompt, is_batch
 from .stats import PrefillStats
+from .text.detokenize import StopText
+from .text.prompts import PROMPT_TYPES, encode_batch, ids_from_prompt, is_batch
 from .timing import NO_TIMER, Timer, sync
 
 
@@ -28,8 +28,10 @@ from .timing import NO_TIMER, Timer, sync
 class GenerationResult:
     """The new text and token ids (lists for a batch), `prefill`: the typed stats of the
     compressed prefill (of the context, when generating from a state; None for `full`), and
-    `stats`: one flat, read-only record of the call for tables and logs (the prefill's fields,
-    `context_*` for a state's, plus prompt and decode figures)."""
+    `stats`: one flat, read-only record of the call for tables and logs: the prefill's fields (a
+    state's, from a state: its method, prefill fraction, pivot), then this call's own prompt,
+    prefill and decode figures, which win where names meet (from a state, `prefill_s` is the
+    question's extension; the context's compression time is `prefill.prefill_s`)."""
 
     text: str | list[str]
     token_ids: list[int] | list[list[int]]
@@ -140,7 +142,7 @@ def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, tem
         B = logits.shape[0]
         batched = B > 1
         prefill = state.stats
-        stats.update({f"context_{k}": v for k, v in state.stats.items()})
+        stats.update(state.stats.items())
     else:
         batched = is_batch(prompt)
         tokens, positions, lengths = encode_batch(model, prompt if batched else [prompt])
@@ -190,34 +192,45 @@ def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, tem
     return GenerationResult(texts[0], ids[0], stats, prefill)
 
 
+STOP_CHECK_EVERY = 8  # decode steps between host checks of "every row has stopped"
+
+
 def _decode_loop(model, logits, next_pos, cache, max_new_tokens, temperature, top_k, top_p, stop_at_eos,
                  generator, decode, stream=None) -> tuple[list[list[int]], int]:
-    """Sample, append, repeat: new token ids per row (cut at the first EOS) and the steps taken."""
+    """Sample, append, repeat: new token ids per row (cut at the first EOS) and the steps taken.
+
+    Sampling and the stop test stay on the device; the host asks whether every row has stopped
+    only every `STOP_CHECK_EVERY` steps (a few steps may run past the last EOS and are cut), or
+    at every step when `stream` needs each token as it comes. The steps reported end at the step
+    where the last row stopped, as if checked every step.
+    """
     B = logits.shape[0]
     eos = torch.tensor(model.config.eos_token_ids or (model.tokenizer.eos_ids if model.tokenizer else ()),
                        dtype=torch.long, device=model.device)
+    stops = stop_at_eos and eos.numel() > 0
     done = torch.zeros(B, dtype=torch.bool, device=model.device)
     out = []
     for step in range(max_new_tokens):
         tok = sample(logits, temperature, top_k, top_p, generator)  # (B,)
         out.append(tok)
         was_done = done.clone() if stream is not None else None
-        if stop_at_eos and eos.numel():
+        if stops:
             done |= torch.isin(tok, eos)
         if stream is not None and stream([None if d else t for t, d in zip(tok.tolist(), (was_done | done).tolist())]):
             break  # the caller asked to stop (a stop string appeared, its client went away)
-        if stop_at_eos and eos.numel() and bool(done.all()):
+        checked = stream is not None or (step + 1) % STOP_CHECK_EVERY == 0
+        if stops and checked and bool(done.all()):
             break
         if step == max_new_tokens - 1:
             break
         logits = decode(model, tok[:, None], next_pos + step, cache)
-    ids = []
-    for row in torch.stack(out, 1).tolist():  # (B, steps)
-        if stop_at_eos and eos.numel():
-            cut = next((j for j, t in enumerate(row) if t in eos.tolist()), None)
-            row = row if cut is None else row[:cut]
-        ids.append(row)
-    return ids, len(out)
+    rows = torch.stack(out, 1).tolist()  # (B, steps)
+    if not stops:
+        return rows, len(out)
+    eos_ids = set(eos.tolist())
+    cuts = [next((j for j, t in enumerate(row) if t in eos_ids), None) for row in rows]
+    steps = len(out) if None in cuts else max(cuts) + 1  # where the last row stopped
+    return [row if cut is None else row[:cut] for row, cut in zip(rows, cuts)], steps
 
 
 @torch.inference_mode()
@@ -302,13 +315,13 @@ class TextStream:
 
 def format_stats(stats: dict) -> str:
     """One line for people: prefill time and fraction, pivot, KV kept, decode speed."""
-    parts = [f"method {stats.get('method', stats.get('context_method', 'full'))}",
+    parts = [f"method {stats.get('method', 'full')}",
              f"prompt {stats['prompt_tokens']} tokens",
              f"prefill {stats['prefill_s']:.2f} s"]
-    fraction = stats.get("prefill_fraction", stats.get("context_prefill_fraction"))
+    fraction = stats.get("prefill_fraction")
     if fraction is not None:
         parts.append(f"prefill fraction {fraction:.2f}")
-    pivot = stats.get("pivot_layer", stats.get("context_pivot_layer"))
+    pivot = stats.get("pivot_layer")
     if pivot is not None:
         parts.append(f"pivot layer {pivot}")
     parts.append(f"KV {stats['kv_entries']} entries, {stats['kv_bytes_kept'] / 2**20:.2f} MiB of the prompt kept, "
@@ -324,7 +337,7 @@ def format_stats(stats: dict) -> str:
 
 def _chat_prompt(model, prompt, messages, state) -> list[int]:
     """Token ids of a chat turn: the whole conversation, or what follows a state's messages."""
-    from . import chat
+    from .text import chat
 
     if prompt is not None:
         raise ValueError("give either a prompt or chat messages, not both")

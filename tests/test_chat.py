@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import structkv
-from structkv import chat, methods
+from structkv import methods
 from structkv.cli import main
+from structkv.text import chat
 
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
                 {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]
@@ -49,7 +50,7 @@ def test_multi_turn_over_a_compressed_state(chat_model):
     third = [*turns, {"role": "assistant", "content": a.text}, {"role": "user", "content": "Which room?"}]
     snap = structkv.prefill(chat_model, messages=[doc], method=methods.get("snapkv", kv_budget=0.3), room=128)
     out = structkv.generate(chat_model, messages=third, state=snap, max_new_tokens=4, compile=False)
-    assert out.stats["context_method"] == "snapkv" and len(out.token_ids) <= 4
+    assert out.stats["method"] == out.prefill.method == "snapkv" and len(out.token_ids) <= 4
     with pytest.raises(ValueError, match="start with the state's own messages"):
         structkv.generate(chat_model, messages=turns[1:], state=snap, compile=False)
     plain = structkv.prefill(chat_model, "plain text context", room=32)

@@ -2,8 +2,8 @@
 
 `Mini` is a small Llama written here from scratch: its own module names, its own RoPE (complex
 rotation of the two halves of each head), its own attention (explicit masked softmax). It loads
-the weights of a structkv model, and the glue that adds StructKV to it is the 16 lines marked
-`# glue` (13 in prefill, 3 in decode). The result must equal `structkv.generate` on the same
+the weights of a structkv model, and the glue that adds StructKV to it is the 7 lines marked
+`# glue` (6 in prefill, 1 in decode: the cache is one call). The result must equal `structkv.generate` on the same
 weights: pivot, kept positions per layer, logits, greedy tokens.
 """
 import math
@@ -15,7 +15,6 @@ from torch import nn
 import structkv
 from structkv import methods
 from structkv.methods import Layout
-from structkv.models.kv_cache import BudgetedKVCache, round_capacity
 from structkv.modules import LayerView
 
 
@@ -88,37 +87,30 @@ def pair(tmp_path_factory):
 
 
 @torch.inference_mode()
-def run_mini(mini, ids, method, new_tokens):
+def run_mini(mini, ids, method, room):
     """Mini's own prefill and greedy decode, with StructKV added through the public API."""
     S, L = len(ids), len(mini.blocks)
     pos, tokens = torch.arange(S)[None], torch.tensor([ids])
     h = mini.emb[tokens]
-    layout, lengths = Layout(L, list(range(L))), torch.tensor([S])  # glue
-    plan, comp = method.kv_plan(layout, lengths), method.propagation(layout, lengths).begin(S)  # glue
-    capacities = [round_capacity(max(plan[i]) + new_tokens) for i in range(L)]  # glue
-    cache = BudgetedKVCache(1, mini.n_kv, mini.dim, capacities, [None] * L, h.dtype, h.device)  # glue
-    store = method.retention(plan, cache)  # glue
+    run = structkv.prepare(method, Layout(L, list(range(L))), torch.tensor([S]), mini.n_kv, mini.dim, room)  # glue
     cols = torch.arange(S)[None]  # glue
     for i in range(L):
         q, k, v = mini.qkv(i, h, pos)
         h = mini.finish(i, h, mini.attend(q, k, v, pos, pos))
-        view = LayerView(i, q, k, v, pos, cols, 1 / math.sqrt(mini.dim))  # glue
-        store.layer(view)  # glue
-        kept = comp.after_layer(view)  # glue
-        store.after_propagation(comp)  # glue
+        kept = run.layer(LayerView(i, q, k, v, pos, cols, 1 / math.sqrt(mini.dim)))  # glue
         if kept is not None:  # glue
-            h, cols, pos = comp.pruner.gather(kept, h, cols, positions=pos)  # glue
-    store.finish()  # glue
+            h, cols, pos = run.prop.pruner.gather(kept, h, cols, positions=pos)  # glue
+    run.finish()  # glue
+    cache, comp = run.cache, run.prop
     logits = mini.logits(h[:, -1])
     out, next_pos = [int(logits.argmax())], S
-    for _ in range(new_tokens - 1):
+    for _ in range(room - 1):
         h = mini.emb[torch.tensor([[out[-1]]])]
         p = torch.tensor([[next_pos]])
         for i in range(L):
             q, k, v = mini.qkv(i, h, p)
-            cache.layers[i].write(k, v, p)  # glue
-            layer = cache.layers[i]  # glue
-            h = mini.finish(i, h, mini.attend(q, layer.k, layer.v, p, layer.pos))  # glue
+            k, v, kv_pos = cache(i, k, v, p)  # glue
+            h = mini.finish(i, h, mini.attend(q, k, v, p, kv_pos))
         out.append(int(mini.logits(h[:, -1]).argmax()))
         next_pos += 1
     return logits, out, comp, cache
@@ -129,7 +121,7 @@ def test_structkv_in_a_foreign_decoder_equals_structkv_generate(pair, seed):
     model, mini = pair
     ids = torch.randint(3, 96, (300,), generator=torch.Generator().manual_seed(seed)).tolist()
     method = methods.get("structkv", kv_budget=0.2, struct_budget=0.3)
-    logits, tokens, comp, cache = run_mini(mini, ids, method, new_tokens=8)
+    logits, tokens, comp, cache = run_mini(mini, ids, method, room=8)
     ref = structkv.generate(model, ids, method=method, max_new_tokens=8, stop_at_eos=False, compile=False)
     state = structkv.prefill(model, ids, method, room=8)
     assert comp.pivots[0] == ref.stats["pivot_layer"] == state.stats.pivot_layer
@@ -141,7 +133,7 @@ def test_structkv_in_a_foreign_decoder_equals_structkv_generate(pair, seed):
 
 
 def test_glue_is_short():
-    """The glue really is what the module docstring says: 16 lines through the public API."""
+    """The glue really is what the module docstring says: 7 lines through the public API."""
     import inspect
 
-    assert sum("# glue" in line for line in inspect.getsource(run_mini).splitlines()) == 16
+    assert sum("# glue" in line for line in inspect.getsource(run_mini).splitlines()) == 7

@@ -57,17 +57,17 @@ def test_ruler_run_writes_every_file_and_resumes(byte_model_dir, tmp_path, capsy
     lines = (out / "predictions.jsonl").read_text().splitlines()
     (out / "predictions.jsonl").write_text("\n".join(lines[:-1]) + "\n")
     calls = []
-    real = runner._run_shared
+    real = runner._compress_all
 
     def counting(model, ids, methods, *a, **k):
         calls.extend(m.name for m in methods)
         return real(model, ids, methods, *a, **k)
 
-    runner._run_shared = counting
+    runner._compress_all = counting
     try:
         assert main(["eval", "ruler", "--model", str(byte_model_dir), "--out", str(out), *ARGS]) == 0
     finally:
-        runner._run_shared = real
+        runner._compress_all = real
     assert calls == [preds[-1]["method"]]
     assert len(_lines(out / "predictions.jsonl")) == len(preds)
 
@@ -86,14 +86,14 @@ def test_ruler_run_writes_every_file_and_resumes(byte_model_dir, tmp_path, capsy
 
     # --report rebuilds the tables from what is there, computing nothing; partial coverage is said.
     (out / "summary.md").unlink()
-    runner._run_shared = None  # any computation would fail
+    runner._compress_all = None  # any computation would fail
     try:
         assert main(["eval", "ruler", "--model", str(byte_model_dir), "--out", str(out), *ARGS, "--report"]) == 0
         assert "2 sample(s) per task, R_struct" in (out / "summary.md").read_text()
         assert main(["eval", "ruler", "--model", str(byte_model_dir), "--out", str(out), *ARGS, "--samples", "3",
                      "--report"]) == 0
     finally:
-        runner._run_shared = real
+        runner._compress_all = real
     summary = (out / "summary.md").read_text()
     assert "not all scored yet" in summary and "| full | - | 1536 |" in summary
     assert "| 4 |" in summary  # the samples column: 2 tasks x 2 samples scored
@@ -207,3 +207,32 @@ def test_configurations_run_under_their_own_labels(byte_model_dir, tmp_path):
     assert len(unguided) == 2 and {p["method"] for p in unguided} == {"structkv"}
     assert sorted(r["run"] for r in result["rows"]) == ["full", "structkv", "unguided"]
     assert "| unguided | 0.2 | 1536 |" in (tmp_path / "swept" / "summary.md").read_text()
+
+
+def test_many_questions_are_answered_from_one_compressed_state(byte_model_dir, tmp_path, monkeypatch):
+    """niah_many: samples 4c..4c+3 share context c and ask its four keys one at a time; a
+    query-agnostic run compresses each context once and answers all four from those states,
+    each answer equal to compressing the context for that question alone."""
+    import structkv
+    from structkv.harness.eval.ruler import generate
+
+    recs = generate("niah_many", structkv.load(byte_model_dir).tokenizer, 1536, 8, seed=3)
+    contexts = [r["input"][: len(r["input"]) - len(r["question"])] for r in recs]
+    assert contexts[0] == contexts[3] != contexts[4] == contexts[7]
+    assert len({r["outputs"][0] for r in recs[:4]}) == 4 and all(r["outputs"][0] in contexts[0] for r in recs[:4])
+
+    calls = []
+    real = runner._compress_all
+    monkeypatch.setattr(runner, "_compress_all", lambda *a, **k: calls.append(1) or real(*a, **k))
+    args = ["--methods", "full,snapkv,structkv", "--kv-budget", "0.3", "--lengths", "1536", "--tasks", "niah_many",
+            "--samples", "8", "--eager", "--quiet", "--question-after-compression"]
+    out = tmp_path / "many"
+    assert main(["eval", "ruler", "--model", str(byte_model_dir), "--out", str(out), *args]) == 0
+    assert len(calls) == 2  # one pass per context, not per question
+    preds = _lines(out / "predictions.jsonl")
+    assert len(preds) == 8 * 3 and sum(p["state_reused"] for p in preds) == 6 * 3
+    monkeypatch.setattr(runner, "_compress_all", real)
+    alone = tmp_path / "alone"
+    assert main(["eval", "ruler", "--model", str(byte_model_dir), "--out", str(alone), *args, "--separate"]) == 0
+    separate = {p["key"]: p["prediction"] for p in _lines(alone / "predictions.jsonl")}
+    assert separate == {p["key"]: p["prediction"] for p in preds}

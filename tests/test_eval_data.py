@@ -10,7 +10,7 @@ from conftest import byte_tokenizer_file
 
 from structkv.harness.eval import longbench, ruler
 from structkv.harness.eval.text import split_sentences
-from structkv.tokenizer import Tokenizer
+from structkv.text.tokenizer import Tokenizer
 
 pytest.importorskip("wonderwords", reason="RULER word lists: pip install 'structkv[eval]'")
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")

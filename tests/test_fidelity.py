@@ -51,6 +51,26 @@ def test_measure_orders_methods_by_what_they_drop(byte_model_dir):
     assert kl[0.5] < kl[0.05]
 
 
+def test_question_after_compression_scores_only_after_the_question(byte_model_dir):
+    """Query-agnostic fidelity: the full cache's row is the same prompt either way (its gold NLL
+    equals the query-aware run's), budget 1 is the full cache, and a small budget moves away."""
+    import structkv
+    from structkv.harness.eval.runner import EvalConfig, build_samples
+
+    model = structkv.load(byte_model_dir)
+    after = EvalConfig(benchmark="fidelity", tasks=["niah_single_1"], samples=1, lengths=[768], question_after=True)
+    inside = EvalConfig(benchmark="fidelity", tasks=["niah_single_1"], samples=1, lengths=[768])
+    (a,), (b,) = build_samples(after, model.tokenizer), build_samples(inside, model.tokenizer)
+    assert a["input_ids"] + a["question_ids"] == b["input_ids"]
+    gold = fidelity.answer_ids(model.tokenizer, a)
+    got = fidelity.measure(model, a["input_ids"], [methods.SnapKV(kv_budget=1.0), methods.SnapKV(kv_budget=0.05)], 8,
+                           gold, question=a["question_ids"])
+    ref = fidelity.measure(model, b["input_ids"], [methods.SnapKV(kv_budget=1.0)], 8, gold)
+    assert got[0]["full_gold_nll"] == pytest.approx(ref[0]["full_gold_nll"], abs=1e-4)
+    assert got[0]["kl"] == pytest.approx(0, abs=1e-5) and got[0]["top1"] == 1.0
+    assert got[1]["kl"] > 1e-4
+
+
 def test_paired_bootstrap():
     rng = random.Random(0)
     recs = []

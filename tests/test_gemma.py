@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import structkv
-from structkv.data import needle_prompt
+from structkv.harness.eval.sources import needle_prompt
 
 
 def test_tokenizer_sentencepiece_bpe(gemma):

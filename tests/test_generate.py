@@ -79,6 +79,33 @@ def test_stops_at_eos(tiny_dir):
     assert out.token_ids == free.token_ids[: free.token_ids.index(eos)]
 
 
+def test_stop_checks_are_batched_but_steps_count_as_if_checked_every_step():
+    """Decode asks the host whether every row stopped only every STOP_CHECK_EVERY steps: the rows
+    are cut at their first EOS, `steps` ends where the last row stopped, and no more than one
+    check's worth of steps runs past it."""
+    from types import SimpleNamespace
+
+    from structkv import generation
+
+    script = [[5, 6, 9, 7, 7, 7, 7, 7, 7, 7, 7, 7], [5, 5, 5, 5, 9, 7, 7, 7, 7, 7, 7, 7]]  # EOS = 9
+    calls = []
+
+    def logits_at(step):
+        out = torch.zeros(2, 10)
+        out[0, script[0][step]] = out[1, script[1][step]] = 1.0
+        return out
+
+    def decode(model, tok, pos, cache):
+        calls.append(int(pos[0, 0]))
+        return logits_at(len(calls))
+
+    model = SimpleNamespace(config=SimpleNamespace(eos_token_ids=(9,)), tokenizer=None, device="cpu")
+    ids, steps = generation._decode_loop(model, logits_at(0), torch.zeros(2, 1, dtype=torch.long), None, 12, 0.0,
+                                         None, None, True, None, decode)
+    assert ids == [[5, 6], [5, 5, 5, 5]] and steps == 5
+    assert len(calls) < generation.STOP_CHECK_EVERY  # checked once, at the 8th step, not at every step
+
+
 # ---------------------------------------------------------------------------- bad input
 def test_empty_prompt(tiny_dir):
     model = structkv.load(tiny_dir("llama"))

@@ -209,7 +209,7 @@ def test_smollm2_matches_transformers_gguf_loader(smollm2):
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from structkv.data import needle_prompt
+    from structkv.harness.eval.sources import needle_prompt
 
     path, model = smollm2
     assert model.config.num_layers == 30 and model.config.full_attention_layers == list(range(30))

@@ -71,3 +71,19 @@ def test_the_checker_finds_a_circle():
     graph = _graph()  # the lazy import the package once had: methods -> calibration -> compress -> methods
     graph["structkv.methods"].add("structkv.calibration")
     assert _cycle(graph) is not None
+
+
+def test_library_code_does_not_import_the_harness_or_the_server():
+    """The layers: the library (decoder, ops, modules, methods, the prefill loop, generation, text)
+    never imports the harness (eval, bench), the server or the command line, which sit on top."""
+    graph = _graph()
+    above = ("structkv.harness", "structkv.serve", "structkv.cli")
+    library = [m for m in graph if not m.startswith(above) and m != "structkv"]
+    wrong = {m: sorted(n for n in graph[m] if n.startswith(above)) for m in library}
+    assert not {m: n for m, n in wrong.items() if n}
+
+
+def test_text_handling_lives_in_one_subpackage():
+    names = {p.stem for p in ROOT.glob("*.py")}
+    assert not names & {"tokenizer", "detokenize", "prompts", "chat", "data"}
+    assert {p.stem for p in (ROOT / "text").glob("*.py")} >= {"tokenizer", "detokenize", "prompts", "chat"}

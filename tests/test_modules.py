@@ -1,5 +1,6 @@
-"""The design-card modules stand alone: tensor state in buffers that move with `.to()`, plain
-objects where there is no tensor state, explicit sizes for the cache, their own conventions."""
+"""The design-card modules stand alone: each an nn.Module with a forward, tensor state in buffers
+that move with `.to()` (also through the compressor that composes them), explicit sizes for the
+cache, their own conventions, one validated StructKV config."""
 import torch
 from torch import nn
 
@@ -16,9 +17,51 @@ def test_tracker_state_is_a_buffer_that_moves():
     assert "value" not in tr.state_dict()  # per-prompt state: not part of a checkpoint
 
 
-def test_plain_objects_have_no_module_machinery():
-    assert not isinstance(PivotDetector(10, list(range(10))), nn.Module)
-    assert not isinstance(SkeletonPruner(4), nn.Module)
+def test_every_module_is_an_nn_module_composed_by_the_compressor():
+    from structkv.modules import StructKVCompressor, StructKVConfig
+
+    for module in (CentralityTracker(), PivotDetector(10, list(range(10))), SkeletonPruner(4),
+                   BudgetedKVCache(1, 2, 8, [16], [None], torch.float32, "cpu")):
+        assert isinstance(module, nn.Module) and type(module).forward is not nn.Module.forward
+    comp = StructKVCompressor(10, list(range(10)), [6], StructKVConfig(window=4)).begin(12)
+    assert {name for name, _ in comp.named_children()} == {"pruner", "tracker", "detector"}
+    comp.to(torch.float64)
+    assert comp.tracker.value.dtype == torch.float64  # the tracker's C moves with the compressor
+
+
+def test_forward_is_the_modules_one_call():
+    """tracker(s, cols) = observe, pruner(scores, valid, keep) = select, detector(layer, ...) = observe_scores."""
+    g = torch.Generator().manual_seed(3)
+    sal, cols = torch.rand(2, 2, 20, generator=g), torch.arange(20).expand(2, -1)
+    a, b = CentralityTracker(window=4), CentralityTracker(window=4)
+    a.reset(2, 20)
+    b.reset(2, 20)
+    assert torch.equal(a(sal, cols, layer=1), b.observe(sal, cols, layer=1))
+    valid = torch.ones(2, 20, dtype=torch.bool)
+    scores = sal.sum(1)  # (B, n)
+    assert torch.equal(SkeletonPruner(4)(scores, valid, [8, 10]), SkeletonPruner(4).select(scores, valid, [8, 10]))
+    d, e = PivotDetector(8, list(range(8))), PivotDetector(8, list(range(8)))
+    d.reset(2)
+    e.reset(2)
+    assert d(3, sal, cols, 4, [20, 20]) == e.observe_scores(3, sal, cols, 4)
+    assert d.traces[0].stats == e.traces[0].stats  # the known lengths give the statistics read back
+
+
+def test_structkv_config_is_validated_once_for_method_and_compressor():
+    import pytest
+
+    from structkv import methods
+    from structkv.modules import StructKVConfig
+
+    method = methods.get("structkv", decay=0.5, skeleton="union")
+    assert method.settings() == StructKVConfig(decay=0.5, skeleton="union", guide=method.guide,
+                                               window=method.window, kernel=method.kernel, pooling=method.pooling)
+    for bad, message in (({"decay": 2.0}, "decay must be in"), ({"skeleton": "x"}, "skeleton must be"),
+                         ({"confirm": 0}, "confirm must be"), ({"weights": (0, 0, 0)}, "weights must be")):
+        with pytest.raises(ValueError, match=message):
+            StructKVConfig(**bad)
+        with pytest.raises(ValueError, match="structkv: " + message):
+            methods.get("structkv", **bad)
 
 
 def test_tracker_observe_owns_structkvs_convention():
@@ -40,7 +83,7 @@ def test_detector_computes_its_own_statistics_from_window_scores():
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(1, 4, 30, 8, generator=g), torch.randn(1, 2, 30, 8, generator=g)
     pos = torch.arange(30)[None]
-    sal, _ = window_scores(q[:, :, -6:], k, pos[:, -6:].contiguous(), pos, scale=0.35)
+    sal = window_scores(q[:, :, -6:], k, pos[:, -6:].contiguous(), pos, scale=0.35)
     a, b = PivotDetector(8, list(range(8))), PivotDetector(8, list(range(8)))
     a.reset(1)
     b.reset(1)
@@ -65,6 +108,6 @@ def test_layer_view_memoises_scores():
     g = torch.Generator().manual_seed(2)
     q, k = torch.randn(1, 4, 12, 8, generator=g), torch.randn(1, 2, 12, 8, generator=g)
     view = LayerView(0, q, k, k, torch.arange(12)[None], torch.arange(12)[None], 0.35)
-    first, _ = view.window_scores(4)
-    again, _ = view.window_scores(4)
+    first = view.window_scores(4)
+    again = view.window_scores(4)
     assert first is again and view.used == {("window", 4)}

@@ -46,7 +46,7 @@ def test_reference_matches_naive(case):
 @given(scores_case())
 def test_invariants(case):
     q, k, q_pos, k_pos, scale, window, softcap, _ = case
-    sal, ent = window_scores(q, k, q_pos, k_pos, scale=scale, window=window, softcap=softcap)
+    sal, ent = window_scores(q, k, q_pos, k_pos, scale=scale, window=window, softcap=softcap, entropy=True)
     B, Hq, w, _ = q.shape
     G = Hq // k.shape[1]
     assert sal.dtype == torch.float32 and ent.dtype == torch.float32
@@ -79,8 +79,9 @@ def test_chunked_reference_never_materialises_full_scores(monkeypatch):
     assert torch.allclose(sal, window_scores_naive(q, k, pos[:, -32:], pos, 0.125)[0], atol=1e-5)
 
 
+@pytest.mark.parametrize("entropy", [True, False])
 @pytest.mark.parametrize("shape", ["contiguous", "transposed", "sliced", "empty"])
-def test_opcheck_window_scores(shape):
+def test_opcheck_window_scores(shape, entropy):
     q = torch.randn(1, 4, 3, 16)
     k = torch.randn(1, 2, 10, 16)
     if shape == "transposed":
@@ -94,7 +95,19 @@ def test_opcheck_window_scores(shape):
     N = k.shape[2]
     k_pos = torch.arange(N)[None]
     q_pos = torch.arange(max(N - 3, 0), max(N - 3, 0) + 3)[None]
-    torch.library.opcheck(torch.ops.structkv.window_scores.default, (q, k, q_pos, k_pos, 0.25, 0, 0.0))
+    torch.library.opcheck(torch.ops.structkv.window_scores.default, (q, k, q_pos, k_pos, 0.25, 0, 0.0, entropy))
+
+
+@given(scores_case())
+def test_entropy_is_only_computed_when_asked(case):
+    """Without `entropy` the op returns the same saliency and no entropy tensor (its accumulator is
+    skipped, not computed and dropped)."""
+    q, k, q_pos, k_pos, scale, window, softcap, _ = case
+    sal = window_scores(q, k, q_pos, k_pos, scale=scale, window=window, softcap=softcap)
+    both = window_scores(q, k, q_pos, k_pos, scale=scale, window=window, softcap=softcap, entropy=True)
+    assert torch.equal(sal, both[0])
+    _, none = torch.ops.structkv.window_scores(q, k, q_pos, k_pos, scale, window or 0, softcap or 0.0, False)
+    assert none.shape == (q.shape[0], q.shape[1], 0)
 
 
 @pytest.mark.parametrize("shape", ["contiguous", "transposed", "empty"])
@@ -107,20 +120,19 @@ def test_opcheck_compact_kv(shape):
         M = 0
     idx = torch.stack([torch.randperm(N)[:M].sort().values for _ in range(B * H)]).view(B, H, M)
     args = (torch.zeros(B, H, C, D), torch.zeros(B, H, C, D), torch.full((B, H, C), -1),
-            torch.zeros(B, H, dtype=torch.long),
             k, v, torch.arange(N)[None] + 100, idx)
     torch.library.opcheck(torch.ops.structkv.compact_kv.default, args)
 
 
-def test_compact_kv_gathers_and_sets_lengths():
+def test_compact_kv_gathers_and_counts_entries_by_position():
     B, H, N, D, C = 2, 2, 9, 4, 6
     k, v = torch.randn(B, H, N, D), torch.randn(B, H, N, D)
     k_pos = torch.stack([torch.arange(N) + 10, torch.arange(N) - 3]).clamp_min(-1)
     idx = torch.tensor([[[0, 3, 8, -1], [1, 2, 4, 5]], [[4, 5, 6, 7], [5, -1, -1, -1]]])
     kc, vc = torch.full((B, H, C, D), 7.0), torch.full((B, H, C, D), 7.0)
-    pc, lens = torch.zeros(B, H, C, dtype=torch.long), torch.zeros(B, H, dtype=torch.long)
-    compact_kv(kc, vc, pc, lens, k, v, k_pos, idx)
-    assert lens.tolist() == [[3, 4], [4, 1]]
+    pc = torch.zeros(B, H, C, dtype=torch.long)
+    compact_kv(kc, vc, pc, k, v, k_pos, idx)
+    assert (pc >= 0).sum(-1).tolist() == [[3, 4], [4, 1]]  # a head's entries: its valid positions
     for b in range(B):
         for h in range(H):
             sel = [i for i in idx[b, h].tolist() if i >= 0]
@@ -135,10 +147,10 @@ def test_compile_dynamic_n_one_compile():
     counter = CompileCounterWithBackend("inductor")
 
     @torch.compile(fullgraph=True, backend=counter)
-    def step(q, k, v, q_pos, k_pos, kc, vc, pc, lens):
-        sal, ent = window_scores(q, k, q_pos, k_pos, scale=0.25)
+    def step(q, k, v, q_pos, k_pos, kc, vc, pc):
+        sal, ent = window_scores(q, k, q_pos, k_pos, scale=0.25, entropy=True)
         idx = sal.topk(4, dim=-1).indices.sort(-1).values  # (B, Hkv, 4)
-        compact_kv(kc, vc, pc, lens, k, v, k_pos, idx)
+        compact_kv(kc, vc, pc, k, v, k_pos, idx)
         return sal, ent
 
     for N in (12, 20, 37):
@@ -148,13 +160,13 @@ def test_compile_dynamic_n_one_compile():
         for t in (k, v, k_pos):
             torch._dynamo.mark_dynamic(t, t.dim() - 2 if t.dim() == 4 else 1)
         kc, vc = torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16)
-        pc, lens = torch.full((1, 2, 8), -1), torch.zeros(1, 2, dtype=torch.long)
-        sal, ent = step(q, k, v, q_pos, k_pos, kc, vc, pc, lens)
+        pc = torch.full((1, 2, 8), -1)
+        sal, ent = step(q, k, v, q_pos, k_pos, kc, vc, pc)
         ref_sal, ref_ent = window_scores_naive(q, k, q_pos, k_pos, 0.25)
         assert torch.allclose(sal, ref_sal, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
         idx = ref_sal.topk(4, dim=-1).indices.sort(-1).values
         assert torch.equal(kc[:, :, :4], k.gather(2, idx[..., None].expand(-1, -1, -1, 16)))
-        assert (lens == 4).all()
+        assert ((pc >= 0).sum(-1) == 4).all()
     assert counter.frame_count == 1
 
 
@@ -179,10 +191,10 @@ def test_compact_kv_bad_input():
     B, H, N, D, C = 1, 2, 10, 4, 5
     k, v = torch.randn(B, H, N, D), torch.randn(B, H, N, D)
     kc, vc = torch.zeros(B, H, C, D), torch.zeros(B, H, C, D)
-    pc, lens, kp = torch.full((B, H, C), -1), torch.zeros(B, H, dtype=torch.long), torch.arange(N)[None]
+    pc, kp = torch.full((B, H, C), -1), torch.arange(N)[None]
 
     def call(idx, **kw):
-        compact_kv(kw.get("kc", kc), vc, pc, lens, k, v, kp, idx)
+        compact_kv(kw.get("kc", kc), vc, pc, k, v, kp, idx)
 
     with pytest.raises(ValueError, match="strictly increasing"):
         call(torch.tensor([[[0, 3, 2], [1, 2, 3]]]))

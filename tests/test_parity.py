@@ -83,7 +83,7 @@ def test_batch_left_padding_equals_alone(arch, tiny_dir):
 def test_decode_logits_match_full_forward(tiny_dir):
     """Cached decoding gives the same next-token logits as re-running the whole sequence."""
     from structkv.models import StaticKVCache
-    from structkv.prompts import encode_batch
+    from structkv.text.prompts import encode_batch
 
     model = structkv.load(tiny_dir("mistral"))
     ids = _prompt(18)[0].tolist()

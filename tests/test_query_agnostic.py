@@ -9,7 +9,7 @@ import structkv
 from structkv import methods
 from structkv.compress import compress, compress_shared
 from structkv.modules.reconstruction import reconstruction_scores
-from structkv.prompts import encode_batch
+from structkv.text.prompts import encode_batch
 
 
 def _ids(n, seed=0):
@@ -128,6 +128,23 @@ def test_query_agnostic_methods_share_the_full_prefill(model):
         for x, y in zip(state.cache.layers, alone.cache.layers):
             assert torch.equal(x.pos, y.pos)
         assert state.stats.reconstruction_tokens == alone.stats.reconstruction_tokens
+
+
+def test_kvzip_budgets_of_one_lane_reconstruct_once(model, monkeypatch):
+    """Two KVzip budgets see the same context and K/V: one reconstruction serves both, each
+    state equal to its method alone and charged the reconstruction in full."""
+    import structkv.modules.reconstruction as rec
+
+    calls, real = [], rec.reconstruction_scores
+    monkeypatch.setattr(rec, "reconstruction_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
+    tokens, positions, _ = encode_batch(model, [_ids(64, 9)])
+    group = [methods.get("kvzip", kv_budget=0.2, chunk=16), methods.get("kvzip", kv_budget=0.4, chunk=16)]
+    states = compress_shared(model, tokens, positions, group, room=8)
+    assert len(calls) == 1
+    for method, state in zip(group, states):
+        alone = compress(model, tokens, positions, method, room=8)
+        assert all(torch.equal(x.pos, y.pos) for x, y in zip(state.cache.layers, alone.cache.layers))
+        assert state.stats.reconstruction_tokens == alone.stats.reconstruction_tokens > 0
 
 
 @pytest.mark.parametrize("options, message", [({"chunk": 0}, "chunk must be a positive int"),

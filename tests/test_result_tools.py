@@ -131,7 +131,7 @@ def test_kept_bytes_planned_against_measured(tiny_dir, tmp_path, capsys):
     kept_bytes = script("kept_bytes")
     model = structkv.load(str(tiny_dir("llama")))
     cfg, n = model.config, 300
-    entries = sum(structkv.methods.get("snapkv", kv_budget=0.1).planned_kv_entries(cfg, n))
+    entries = sum(kept_bytes.planned_kv_entries(structkv.methods.get("snapkv", kv_budget=0.1), cfg, n))
     good = entries * 2 * cfg.head_dim * model.dtype.itemsize
     f = folder(tmp_path / "f", {}, model=str(tiny_dir("llama")))
     lines = [{"key": f"snapkv@0.1|{i}", "label": "snapkv@0.1", "method": "snapkv", "kv_budget": 0.1, "task": "a",

@@ -12,10 +12,11 @@ import httpx
 import pytest
 
 import structkv
-from structkv import chat, methods
+from structkv import methods
 from structkv.serve import build
 from structkv.serve.engine import Settings
 from structkv.serve.launch import Background
+from structkv.text import chat
 
 openai = pytest.importorskip("openai")
 

@@ -9,7 +9,7 @@ from structkv import methods
 from structkv.compress import compress, compress_shared
 from structkv.generation import generate_states
 from structkv.models.kv_cache import StackedKVCache
-from structkv.prompts import encode_batch
+from structkv.text.prompts import encode_batch
 
 
 def _ids(n, seed=0):

@@ -49,6 +49,15 @@ def test_window_scores_triton_strided_inputs():
     assert torch.allclose(sal, ref_sal, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-4)
 
 
+def test_window_scores_triton_without_entropy():
+    """entropy=False: the same saliency, no entropy accumulated or stored."""
+    q, k = torch.randn(1, 4, 5, 32), torch.randn(1, 2, 70, 32)
+    k_pos, q_pos = torch.arange(70)[None], torch.arange(65, 70)[None]
+    sal, ent = triton_kernels.window_scores_triton(q, k, q_pos, k_pos, 0.2, 0, 0.0, entropy=False)
+    assert ent.shape == (1, 4, 0)
+    assert torch.allclose(sal, window_scores_naive(q, k, q_pos, k_pos, 0.2)[0], atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_compact_kv_triton_matches_reference(dtype):
     B, H, N, D, C = 2, 2, 50, 48, 40
@@ -60,7 +69,7 @@ def test_compact_kv_triton_matches_reference(dtype):
     outs = []
     for fn in (triton_kernels.compact_kv_triton, compact_kv_reference):
         bufs = (torch.zeros(B, H, C, D, dtype=dtype), torch.zeros(B, H, C, D, dtype=dtype),
-                torch.zeros(B, H, C, dtype=torch.long), torch.zeros(B, H, dtype=torch.long))
+                torch.zeros(B, H, C, dtype=torch.long))
         fn(*bufs, k, v, k_pos, idx)
         outs.append(bufs)
     for a, b in zip(*outs):

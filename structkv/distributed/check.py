@@ -33,7 +33,7 @@ def compare_folder(folder: str, world: int, compile_decode: bool = False) -> lis
     import structkv
     from structkv import methods
     from structkv.compress import compress
-    from structkv.prompts import encode_batch
+    from structkv.text.prompts import encode_batch
 
     whole, shard = structkv.load(folder), structkv.load(folder, tp=world)
     rows = prompts(whole.config.vocab_size)

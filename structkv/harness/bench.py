@@ -130,7 +130,7 @@ def make_method(cfg: BenchConfig, name: str):
 def prompt_ids(model, length: int, seed: int) -> list[int]:
     """Exactly `length` tokens: essay text for a model with a tokenizer, seeded random ids otherwise."""
     if model.tokenizer is not None:
-        from ..data import essay_text
+        from .eval.sources import essay_text
 
         text = essay_text()
         ids = model.tokenizer.encode(text[: length * 8])

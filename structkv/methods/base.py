@@ -121,24 +121,10 @@ class Method:
         base = self.kv_keep(lengths)
         return {i: self.layer_keep(i, layout, lengths, base) for i in layout.full_attention_layers}
 
-    def planned_kv_entries(self, layout, length: int) -> list[int] | None:
-        """Entries a `length`-token prompt keeps per layer (summed over KV heads), when the plan
-        alone fixes them: every token reaches every layer (no propagation), so planned layers keep
-        their budget, sliding layers their window, the others every token. None when a
-        propagation makes the count depend on the content (FastKV, StructKV, GemFilter).
-
-        Why: results recorded before kept bytes were (`benchmarks/kept_bytes.py`) can still be
-        compared at equal kept bytes; tests hold it equal to what `compress` keeps.
-        """
-        lengths = torch.tensor([length])
-        if self.propagation(layout, lengths) is not None:
-            return None
-        plan = self.kv_plan(layout, lengths)
-        out = []
-        for i in range(layout.num_layers):
-            kept = min(plan[i][0] if i in plan else length, length, layout.window(i) or length)
-            out.append(kept * layout.num_kv_heads)
-        return out
+    def heads(self, scores: torch.Tensor) -> torch.Tensor:
+        """Per-KV-head scores (B, Hkv, n) as the selection wants them: per head, or summed into
+        one shared selection (B, 1, n) when `per_head` is off."""
+        return scores if self.per_head else scores.sum(1, keepdim=True)
 
     def kv_scores(self, view) -> torch.Tensor:
         """Scores (B, H, n) of the current tokens at a planned layer, higher = keep; H = Hkv (per

@@ -9,10 +9,18 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..modules import FixedLayerPropagation, RestartPropagation, StructKVCompressor, budget_tokens, pooled_saliency
+from ..modules import (
+    FixedLayerPropagation,
+    RestartPropagation,
+    StructKVCompressor,
+    budget_tokens,
+    pool_scores,
+    pooled_saliency,
+)
 from ..modules.reconstruction import DEFAULT_PROMPT
 from ..modules.retention import ReconstructionRetention
 from ..modules.scores import expected_attention
+from ..modules.structkv_config import StructKVConfig
 from .base import Method, resolve_layer
 
 
@@ -57,6 +65,9 @@ class WindowScored(Method):
     # group's sum is pooled, one pass over K).
     observe: int | None = None
     pool_query_heads: bool = False
+    # Query-agnostic option: a text appended to the context during compression only, whose queries
+    # are the observation window (`structkv.probe`); None: the context's last `window` tokens.
+    probe: str | None = None
     compresses_kv = True
     min_window = 1
 
@@ -69,12 +80,14 @@ class WindowScored(Method):
             Hkv = view.num_kv_heads
             scores = pooled.view(B, Hkv, Hq // Hkv, n).sum(2)  # (B, Hkv, n)
         else:
-            saliency, _ = view.window_scores(w)
+            saliency = view.window_scores(w)
             scores = pooled_saliency(saliency, self.window, self.kernel, self.pooling)  # (B, Hkv, n)
-        return scores if self.per_head else scores.sum(1, keepdim=True)
+        return self.heads(scores)
 
     def validate(self):
         super().validate()
+        if self.probe is not None and (not isinstance(self.probe, str) or not self.probe.strip()):
+            raise ValueError(f"{self.name}: probe must be a non-empty text or None, got {self.probe!r}")
         o = self.observe
         if o is not None and (isinstance(o, bool) or not isinstance(o, int) or o < max(self.window, 1)):
             raise ValueError(f"{self.name}: observe must be an int >= window ({self.window}) or None, got {o!r}")
@@ -137,7 +150,7 @@ class H2O(Method):
 
     def kv_scores(self, view):
         scores = view.received_attention()  # (B, Hkv, n)
-        return scores if self.per_head else scores.sum(1, keepdim=True)
+        return self.heads(scores)
 
 
 @dataclass
@@ -219,10 +232,15 @@ class StructKV(WindowScored):
         keep = self.fit_window(budget_tokens(self.struct_budget, lengths, "structkv struct_budget"), lengths)
         pivot = None if self.pivot == "dynamic" else resolve_layer(self.pivot, layout, scored, "pivot")
         keep_at = self._equal_compute(layout, lengths) if self.equal_compute else None
-        return StructKVCompressor(layout.num_layers, scored, keep, window=self.window, kernel=self.kernel,
-                                  pooling=self.pooling, decay=self.decay, pivot=pivot, depth_range=self.depth_range,
-                                  weights=self.weights, topk_ratio=self.topk_ratio, confirm=self.confirm,
-                                  sinks=self.sinks, skeleton=self.skeleton, guide=self.guide, keep_at=keep_at)
+        return StructKVCompressor(layout.num_layers, scored, keep, self.settings(pivot), keep_at)
+
+    def settings(self, pivot: int | None = None) -> StructKVConfig:
+        """The compressor's settings from this method's fields (validated there), with the pivot
+        resolved to a layer (None: detected per row)."""
+        return StructKVConfig(window=self.window, kernel=self.kernel, pooling=self.pooling, decay=self.decay,
+                              pivot=pivot, depth_range=_tuple(self.depth_range), weights=_tuple(self.weights),
+                              topk_ratio=self.topk_ratio, confirm=self.confirm, sinks=self.sinks,
+                              skeleton=self.skeleton, guide=self.guide)
 
     def _equal_compute(self, layout, lengths):
         """layer -> tokens kept per row so that token-layers computed equal FastKV's at its
@@ -250,46 +268,30 @@ class StructKV(WindowScored):
         return GuidedRetention(self, plan, cache, self.beta) if self.beta else Retention(self, plan, cache)
 
     def prefill_key(self):
-        return ("structkv", self.struct_budget, self.decay, self.pivot, tuple(self.depth_range), tuple(self.weights),
-                self.topk_ratio, self.confirm, self.sinks, self.skeleton, self.equal_compute, self.guide,
-                self.window, self.kernel, self.pooling)
+        return ("structkv", self.struct_budget, self.pivot, self.equal_compute, self.settings())
 
     def validate(self):
         super().validate()
-        if not 0.0 <= self.decay <= 1.0:
-            raise ValueError(f"structkv: decay must be in [0, 1], got {self.decay}")
         if isinstance(self.pivot, str) and self.pivot != "dynamic":
             hint = (" (a calibrated pivot is a layer: structkv.calibrate(model, prompts, method) returns "
                     "the method with it)") if self.pivot == "calibrated" else ""
             raise ValueError(f"structkv: pivot must be 'dynamic', a layer index or a depth fraction, "
                              f"got {self.pivot!r}{hint}")
-        if self.skeleton not in ("centrality", "pivot", "union"):
-            raise ValueError(f"structkv: skeleton must be 'centrality', 'pivot' or 'union', got {self.skeleton!r}")
-        if self.guide not in ("pivot", "centrality"):
-            raise ValueError(f"structkv: guide must be 'pivot' or 'centrality', got {self.guide!r}")
+        try:
+            self.settings()  # the compressor's settings, validated in one place
+        except ValueError as e:
+            raise ValueError(f"{self.name}: {e}") from None
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not 0 <= self.beta < math.inf:
             raise ValueError(f"structkv: beta must be a finite number >= 0 (0 = no guided retention), "
                              f"got {self.beta!r}")
         p = self.pyramid
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 1 <= p < math.inf):
             raise ValueError(f"structkv: pyramid must be None or a finite number >= 1 (PyramidKV's beta), got {p!r}")
-        if isinstance(self.confirm, bool) or not isinstance(self.confirm, int) or self.confirm < 1:
-            raise ValueError(f"structkv: confirm must be an int >= 1, got {self.confirm!r}")
-        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
-            raise ValueError(f"structkv: sinks must be an int >= 0, got {self.sinks!r}")
-        if not isinstance(self.topk_ratio, float) or not 0 < self.topk_ratio <= 1:
-            raise ValueError(f"structkv: topk_ratio must be a fraction in (0, 1], got {self.topk_ratio!r}")
-        w = self.weights
-        if (not isinstance(w, (tuple, list)) or len(w) != 3
-                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
-                           for x in w) or sum(w) <= 0):
-            raise ValueError(f"structkv: weights must be three finite numbers >= 0, not all 0 (entropy, top-k mass, "
-                             f"variance), got {w!r}")
-        r = self.depth_range
-        if (not isinstance(r, (tuple, list)) or len(r) != 2
-                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in r)
-                or not 0 <= r[0] <= r[1] <= 1):
-            raise ValueError(f"structkv: depth_range must be two fractions 0 <= lo <= hi <= 1, got {r!r}")
+
+
+def _tuple(x):
+    """Lists (from JSON or the command line) as tuples, so settings stay hashable; others as given."""
+    return tuple(x) if isinstance(x, list) else x
 
 
 @dataclass
@@ -326,11 +328,15 @@ class KVzip(Method):
 class KeyDiff(Method):
     """Query-agnostic: keep the keys least like the layer's average key (KeyDiff, Park et al. 2025):
     score = -cos(k_i, mean of the normalised keys), per KV head. No attention is computed, so it
-    costs nothing beyond the prefill."""
+    costs nothing beyond the prefill. `kernel`, `pooling`: the scores pooled over neighbouring
+    tokens (kernel 1: the paper), so a distinctive token brings its sentence along (a fact's
+    value and the words that name it)."""
 
     kv_budget: float | int = 0.1
     window: int = 8
     per_head: bool = True
+    kernel: int = 1
+    pooling: str | None = "max"
     name = "keydiff"
     compresses_kv = True
 
@@ -340,8 +346,8 @@ class KeyDiff(Method):
             valid = view.valid[:, None, :, None]  # (B, 1, n, 1)
             anchor = (keys * valid).sum(2, keepdim=True) / valid.sum(2, keepdim=True).clamp_min(1)  # (B, Hkv, 1, D)
             return -F.cosine_similarity(keys, anchor, dim=-1)  # (B, Hkv, n)
-        scores = view.per_kv_head(("keydiff",), compute)
-        return scores if self.per_head else scores.sum(1, keepdim=True)
+        scores = view.scores(("keydiff",), compute)
+        return self.heads(pool_scores(scores, self.kernel, self.pooling))
 
 
 @dataclass
@@ -364,10 +370,10 @@ class ExpectedAttention(Method):
 
     def kv_scores(self, view):
         key = ("expected", self.future, self.sinks, self.covariance, self.vnorm)
-        scores = view.per_kv_head(key, lambda: expected_attention(
+        scores = view.scores(key, lambda: expected_attention(
             view.q, view.k, view.v, view.positions, view.inv_freq, view.scale, self.future, self.sinks,
             self.covariance, self.vnorm))
-        return scores if self.per_head else scores.sum(1, keepdim=True)
+        return self.heads(scores)
 
     def validate(self):
         super().validate()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..tokenizer import TURN_ENDS
+from ..text.tokenizer import TURN_ENDS
 from .config import ModelConfig, RopeConfig
 
 GGUF_ARCHITECTURES = ("gemma3", "llama", "mistral", "qwen2", "qwen3")

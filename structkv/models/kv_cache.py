@@ -116,6 +116,13 @@ class KVCache(nn.Module):
 
     layers: nn.ModuleList
 
+    def forward(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """The cache behind one call: append k, v (B, Hkv, S, D) at positions (B, S) to layer
+        `layer` and return its (k, v, pos) to attend over (pos (B, Hkv, C), -1 = empty)."""
+        cache = self.layers[layer]
+        cache.write(k, v, positions)
+        return cache.k, cache.v, cache.pos
+
     def entries(self) -> list[int]:
         """Valid entries per layer, summed over batch rows and KV heads."""
         return [layer.entries() for layer in self.layers]
@@ -170,16 +177,20 @@ class BudgetedKVCache(KVCache):
                                     for capacity, ring in zip(capacities, rings))
 
     @classmethod
-    def for_model(cls, cfg, batch: int, budgets: list[int], room: int, dtype, device) -> "BudgetedKVCache":
+    def for_model(cls, cfg, batch: int, budgets: list[int], room: int, dtype, device, num_kv_heads: int | None = None,
+                  head_dim: int | None = None) -> "BudgetedKVCache":
         """`budgets`: entries kept at prefill per layer (max over rows); `room`: slots for tokens
         appended later (generated and question tokens). Capacities are rounded up like every cache; a
-        sliding layer is a ring of its window when prompt and room would not fit the window."""
+        sliding layer is a ring of its window when prompt and room would not fit the window. `cfg`:
+        a `ModelConfig`, or a `Layout` of a decoder of your own (no sliding layers; give
+        `num_kv_heads` and `head_dim`)."""
         if len(budgets) != cfg.num_layers:
             raise ValueError(f"need one budget per layer ({cfg.num_layers}), got {len(budgets)}")
-        windows = [cfg.window(i) for i in range(cfg.num_layers)]
+        window = getattr(cfg, "window", lambda i: None)
+        windows = [window(i) for i in range(cfg.num_layers)]
         rings = [w if w is not None and w < b + room else None for w, b in zip(windows, budgets)]
-        return cls(batch, cfg.num_kv_heads, cfg.head_dim, [round_capacity(b + room) for b in budgets], rings,
-                   dtype, device)
+        return cls(batch, num_kv_heads or cfg.num_kv_heads, head_dim or cfg.head_dim,
+                   [round_capacity(b + room) for b in budgets], rings, dtype, device)
 
     def fill(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
              indices: torch.Tensor | None, check: bool = True) -> None:
@@ -190,8 +201,7 @@ class BudgetedKVCache(KVCache):
         if indices is None or cache.window is not None:
             cache.fill(k, v, positions)
             return
-        lengths = torch.empty(indices.shape[:2], dtype=torch.long, device=indices.device)  # (B, Hkv), unused
-        compact_kv(cache.k, cache.v, cache.pos, lengths, k, v, positions, pads_last(indices), check=check)
+        compact_kv(cache.k, cache.v, cache.pos, k, v, positions, pads_last(indices), check=check)
         cache.cursor.fill_(indices.shape[-1])
 
 

@@ -16,7 +16,7 @@ import torch
 
 from ..fetch import WheelFile, cache_root, fetch, hub_reachable
 from ..files import read_json_object
-from ..tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 from .config import ModelConfig
 from .decoder import Decoder
 from .empty import empty_decoder

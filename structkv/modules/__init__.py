@@ -10,12 +10,13 @@ from .retention import GuidedRetention, Retention
 from .scores import last_query_logits, received_attention
 from .selection import budget_tokens, gather_tokens, pool_scores, pooled_saliency, select_tokens
 from .skeleton import SkeletonPruner
+from .structkv_config import StructKVConfig
 from .view import LayerView
 
 __all__ = [
     "Budget", "BudgetedKVCache", "CentralityTracker", "FixedLayerPropagation", "GuidedRetention", "LayerView",
     "PivotDetector", "PivotTrace", "Propagation", "RestartPropagation", "Retention", "SkeletonPruner",
-    "StructKVCompressor",
+    "StructKVCompressor", "StructKVConfig",
     "budget_tokens", "calibrate_pivot", "candidate_layers", "gather_tokens", "last_query_logits", "pads_last",
     "pool_scores", "pooled_saliency", "received_attention", "select_tokens"
 ]

@@ -34,6 +34,10 @@ class CentralityTracker(nn.Module):
         self.register_buffer("value", None, persistent=False)  # (B, N) float32 after reset
         self.layers: list[int] = []
 
+    def forward(self, saliency: torch.Tensor, columns: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """`observe`: one layer's window saliency (B, Hkv, n) at `columns` (B, n) -> C (B, N)."""
+        return self.observe(saliency, columns, layer)
+
     def reset(self, batch: int, num_tokens: int, device=None) -> None:
         self.value = torch.zeros(batch, num_tokens, dtype=torch.float32, device=device)
         self.layers = []

@@ -5,10 +5,12 @@
   (or a fixed pivot layer is given);
 - `SkeletonPruner` keeps, at that layer, the row's top `keep` tokens by C plus the window.
 
-It is a `Propagation`: the prefill loop (or a model of your own) calls `begin` once, then
-`after_layer(view)` after every layer; when a row's pivot fires it returns the kept token
-indices (B, K), and the caller gathers its hidden states with `pruner.gather`. Rows whose pivot
-has not fired keep all their tokens. See the README, "Use the modules in your own model".
+It is a `Propagation` (an `nn.Module` whose submodules are the three above, the tracker's C a
+buffer): the prefill loop (or a model of your own) calls `begin` once, then the module on each
+layer's view (`after_layer`); when a row's pivot fires it returns the kept token indices (B, K),
+and the caller gathers its hidden states with `pruner.gather`. Rows whose pivot has not fired
+keep all their tokens. Its settings are one `StructKVConfig`, shared with the method that made
+it. See the README, "Use the modules in your own model".
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from .centrality import CentralityTracker
 from .pivot import PivotDetector
 from .propagation import Propagation
 from .selection import pooled_saliency
+from .structkv_config import StructKVConfig
 
 
 class StructKVCompressor(Propagation):
@@ -26,32 +29,18 @@ class StructKVCompressor(Propagation):
             layers of a dense model, the full-attention layers of a hybrid).
         keep: tokens kept per row at its pivot (window included); `keep_at(layer)`, when given,
             decides it at the pivot instead (equal prefill compute with another method).
-        window, kernel, pooling: the observation window and the saliency pooling.
-        decay: lambda of the centrality. pivot: a fixed layer, or None to detect it per row.
-        depth_range, weights, topk_ratio, confirm, sinks: the detector's (`PivotDetector`).
-        skeleton: "centrality" (the paper: top by C), "pivot" (top by the pivot layer's saliency
-            alone) or "union" (half by the pivot layer's saliency, the rest by C).
-        guide: what `guide()` offers the KV retention once every row fired: "pivot" (the pivot
-            layer's pooled saliency per KV head) or "centrality" (C).
+        config: the `StructKVConfig` (window, pooling, decay, pivot or detection, skeleton, guide).
     """
 
-    def __init__(self, num_layers: int, scored_layers: list[int], keep: list[int], *, window: int = 8,
-                 kernel: int = 7, pooling: str | None = "max", decay: float = 0.9, pivot: int | None = None,
-                 depth_range=(0.3, 0.6), weights=(0.2, 0.3, 0.5), topk_ratio: float = 0.01, confirm: int = 2,
-                 sinks: int = 4, skeleton: str = "centrality", guide: str = "pivot", keep_at=None):
-        super().__init__(len(keep), window)
-        if skeleton not in ("centrality", "pivot", "union"):
-            raise ValueError(f"skeleton must be 'centrality', 'pivot' or 'union', got {skeleton!r}")
-        if guide not in ("pivot", "centrality"):
-            raise ValueError(f"guide must be 'pivot' or 'centrality', got {guide!r}")
-        self.scored, self.keep, self.window, self.fixed_pivot = list(scored_layers), list(keep), window, pivot
-        self.kernel, self.pooling, self.skeleton, self.guide_kind = kernel, pooling, skeleton, guide
-        self.keep_at = keep_at
-        self.tracker = CentralityTracker(decay, window, kernel, pooling)
+    def __init__(self, num_layers: int, scored_layers: list[int], keep: list[int],
+                 config: StructKVConfig = StructKVConfig(), keep_at=None):
+        super().__init__(len(keep), config.window)
+        self.config, self.scored, self.keep, self.keep_at = config, list(scored_layers), list(keep), keep_at
+        self.window, self.fixed_pivot = config.window, config.pivot
+        self.tracker = CentralityTracker(config.decay, config.window, config.kernel, config.pooling)
         self.detector = None
-        if pivot is None:
-            self.detector = PivotDetector(num_layers, self.scored, depth_range, weights, topk_ratio=topk_ratio,
-                                          confirm=confirm, sinks=sinks)
+        if config.pivot is None:
+            self.detector = PivotDetector.from_config(num_layers, self.scored, config)
             self.detector.reset(len(keep))
         self._guide = None
 
@@ -73,11 +62,13 @@ class StructKVCompressor(Propagation):
         layer = view.layer
         if self.window_needed(layer) is None:
             return None
-        saliency, _ = view.window_scores(self.window)
+        saliency = view.window_scores(self.window)
         self.tracker.observe(saliency, view.columns, layer=layer)
+        if self.detector is not None and not self.detector.wants(layer):
+            return None  # before the curve's range: centrality only, no decision to read back
         if self.detector is not None:
             with view.timer.phase("scoring") as span:
-                fired = self.detector.observe_scores(layer, saliency, view.positions, self.window)
+                fired = self.detector.observe_scores(layer, saliency, view.positions, self.window, view.lengths)
             self.scoring_s += span.seconds
         else:
             fired = [layer == self.fixed_pivot] * len(self.keep)
@@ -87,19 +78,20 @@ class StructKVCompressor(Propagation):
         keep = self.keep_at(layer) if self.keep_at is not None else self.keep
         rows = [k if f else n for k, f in zip(keep, fired)]  # rows not firing keep everything
         self.pivots = [layer if f else p for f, p in zip(fired, self.pivots)]
-        own = pooled_saliency(saliency, self.window, self.kernel, self.pooling)  # (B, Hkv, n)
+        own = pooled_saliency(saliency, self.window, self.config.kernel, self.config.pooling)  # (B, Hkv, n)
         self._remember(own, view.columns, fired)
-        return self.pruner.select(self._skeleton_scores(own.sum(1), view.columns, view.valid, rows), view.valid,
-                                  rows)
+        scores = self._skeleton_scores(own.sum(1), view.columns, view.valid, rows, view.lengths)
+        return self.pruner.select(scores, view.valid, rows, view.lengths)
 
-    def _skeleton_scores(self, own: torch.Tensor, columns: torch.Tensor, valid: torch.Tensor, rows) -> torch.Tensor:
+    def _skeleton_scores(self, own: torch.Tensor, columns: torch.Tensor, valid: torch.Tensor, rows,
+                         lengths: list[int]) -> torch.Tensor:
         """(B, n) scores whose top `rows` tokens form the skeleton."""
         centrality = self.tracker.current(columns)
-        if self.skeleton == "centrality":
+        if self.config.skeleton == "centrality":
             return centrality
-        if self.skeleton == "pivot":
+        if self.config.skeleton == "pivot":
             return own
-        half = self.pruner.select(own, valid, [max(r // 2, min(self.window, r)) for r in rows])  # (B, K/2)
+        half = self.pruner.select(own, valid, [max(r // 2, min(self.window, r)) for r in rows], lengths)  # (B, K/2)
         first = torch.zeros(valid.shape, dtype=torch.long, device=valid.device)
         first = first.scatter_add_(1, half.clamp_min(0), (half >= 0).long()) > 0  # (B, n)
         top = centrality.max(dim=1, keepdim=True).values + 1  # above every centrality: kept first
@@ -110,11 +102,11 @@ class StructKVCompressor(Propagation):
         B, H, _ = own.shape
         N = self.tracker.value.shape[1]
         if self._guide is None:
-            self._guide = torch.zeros(B, H if self.guide_kind == "pivot" else 1, N, device=own.device)
+            self._guide = torch.zeros(B, H if self.config.guide == "pivot" else 1, N, device=own.device)
         for b, f in enumerate(fired):
             if not f:
                 continue
-            if self.guide_kind == "pivot":
+            if self.config.guide == "pivot":
                 self._guide[b].scatter_(1, columns[b][None].expand(H, -1), own[b].float())
             else:
                 self._guide[b, 0] = self.tracker.value[b]
@@ -125,7 +117,7 @@ class StructKVCompressor(Propagation):
 
     @property
     def host_syncs(self) -> int:
-        return self.detector.host_syncs if self.detector is not None else 1
+        return self.detector.host_syncs if self.detector is not None else 0
 
     def stats(self) -> dict:
         out = {"centrality_layers": self.tracker.layers}

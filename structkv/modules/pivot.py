@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 
 @dataclass
@@ -60,6 +61,11 @@ def ranked_mask(positions: torch.Tensor, window: int, sinks: int) -> torch.Tenso
     return valid & (rank >= sinks) & (col < n - window)[None]
 
 
+def ranked_count(length: int, window: int, sinks: int) -> int:
+    """Ranked columns of a left-padded row of `length` valid tokens (`ranked_mask`'s row sum)."""
+    return max(0, length - window - sinks)
+
+
 def transition_curve(stats: dict[int, tuple], weights, eps: float = 1e-9) -> dict[int, float]:
     """T at every observed layer after the first, each statistic's change over its spread."""
     layers = sorted(stats)
@@ -75,9 +81,11 @@ def transition_curve(stats: dict[int, tuple], weights, eps: float = 1e-9) -> dic
     return out
 
 
-class PivotDetector:
-    """Online pivot detection per batch row (host-side decisions; each `observe` is one sync).
-    A plain object: its state is the per-row traces on the host, no tensors.
+class PivotDetector(nn.Module):
+    """Online pivot detection per batch row. `forward(layer, saliency, positions, window,
+    lengths)` observes one layer and returns, per row, whether its pivot fires there. Its state
+    is the per-row traces of (H, rho, V) on the host: the decision is a host decision (each
+    observed layer is one read-back, counted in `host_syncs`), so no tensor state is kept.
 
     Args:
         num_layers: model depth L. scored_layers: layers whose window attention is observed
@@ -92,6 +100,7 @@ class PivotDetector:
     def __init__(self, num_layers: int, scored_layers: list[int], depth_range=(0.3, 0.6),
                  weights=(0.2, 0.3, 0.5), topk_ratio: float = 0.01, confirm: int = 2, sinks: int = 4,
                  observe_all: bool = False):
+        super().__init__()
         if not 0.0 <= depth_range[0] <= depth_range[1] <= 1.0:
             raise ValueError(f"depth_range must satisfy 0 <= lo <= hi <= 1, got {depth_range}")
         if isinstance(confirm, bool) or not isinstance(confirm, int) or confirm < 1:
@@ -107,6 +116,17 @@ class PivotDetector:
         self.traces: list[PivotTrace] = []
         self.host_syncs = 0
 
+    def forward(self, layer: int, saliency: torch.Tensor, positions: torch.Tensor, window: int,
+                lengths: list[int] | None = None) -> list[bool]:
+        """`observe_scores`: whether each row's pivot fires at `layer`."""
+        return self.observe_scores(layer, saliency, positions, window, lengths)
+
+    @classmethod
+    def from_config(cls, num_layers: int, scored_layers: list[int], config) -> "PivotDetector":
+        """The detector a `StructKVConfig` describes."""
+        return cls(num_layers, scored_layers, config.depth_range, config.weights, topk_ratio=config.topk_ratio,
+                   confirm=config.confirm, sinks=config.sinks)
+
     def reset(self, batch: int) -> None:
         self.traces = [PivotTrace() for _ in range(batch)]
         self.host_syncs = 0
@@ -116,21 +136,27 @@ class PivotDetector:
         return self.observe_all or self.first <= layer <= self.candidates[-1]
 
     @staticmethod
-    def statistics(saliency: torch.Tensor, ranked: torch.Tensor, topk_ratio: float) -> torch.Tensor:
-        """(B, 3) = (H, rho, V) of saliency (B, Hkv, n) over the `ranked` (B, n) columns."""
+    def statistics(saliency: torch.Tensor, ranked: torch.Tensor, topk_ratio: float,
+                   most_ranked: int | None = None) -> torch.Tensor:
+        """(B, 3) = (H, rho, V) of saliency (B, Hkv, n) over the `ranked` (B, n) columns;
+        `most_ranked`: the largest ranked count of a row, when known (else read back)."""
         s = saliency.sum(1).double() * ranked  # (B, n)
         p = s / s.sum(-1, keepdim=True).clamp_min(1e-30)
         n = ranked.sum(-1).clamp_min(2).double()  # (B,)
         h = -(p * p.clamp_min(1e-30).log()).sum(-1) / n.log()
-        k = max(1, math.ceil(topk_ratio * int(n.max())))
+        most = int(n.max()) if most_ranked is None else max(most_ranked, 2)
+        k = max(1, math.ceil(topk_ratio * most))
         rho = p.topk(min(k, p.shape[-1]), dim=-1).values.sum(-1)
         var = (((p - 1 / n[:, None]) ** 2) * ranked).sum(-1)  # n * mean squared deviation
         return torch.stack([h, rho, var], dim=-1).float()
 
-    def observe_scores(self, layer: int, saliency: torch.Tensor, positions: torch.Tensor, window: int) -> list[bool]:
-        """`observe` from the window saliency (B, Hkv, n) of the current tokens at positions (B, n)."""
+    def observe_scores(self, layer: int, saliency: torch.Tensor, positions: torch.Tensor, window: int,
+                       lengths: list[int] | None = None) -> list[bool]:
+        """`observe` from the window saliency (B, Hkv, n) of the current tokens at positions (B, n);
+        `lengths`: the rows' valid tokens when known (then `observe` is the only read-back)."""
         ranked = ranked_mask(positions, window, self.sinks)
-        return self.observe(layer, self.statistics(saliency, ranked, self.topk_ratio))
+        most = None if lengths is None else max(ranked_count(l, window, self.sinks) for l in lengths)
+        return self.observe(layer, self.statistics(saliency, ranked, self.topk_ratio, most))
 
     def observe(self, layer: int, stats: torch.Tensor) -> list[bool]:
         """Record layer `layer`'s stats (B, 3); returns, per row, whether its pivot fires here."""

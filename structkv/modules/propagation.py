@@ -14,20 +14,23 @@ kept tokens: that is the prefill saving. Three rules ship:
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from .selection import pooled_saliency
 from .skeleton import SkeletonPruner
 
 
-class Propagation:
-    """Base: never propagates. `pivots` holds each row's propagation layer (None until it fires);
-    `host_syncs` counts host decisions; `scoring_s` the seconds spent on statistics (not on the
-    memoised window scores, which the view accounts for)."""
+class Propagation(nn.Module):
+    """Base: never propagates. `forward(view)` is `after_layer`. `pivots` holds each row's
+    propagation layer (None until it fires); `host_syncs` counts the times it reads the device
+    during the layer loop (a pipeline stall); `scoring_s` the seconds spent on statistics (not on
+    the memoised window scores, which the view accounts for)."""
 
     restart = False
     host_syncs = 0
 
     def __init__(self, batch: int, window: int = 0, positions: str = "original"):
+        super().__init__()
         self.pivots: list[int | None] = [None] * batch
         self.pruner = SkeletonPruner(window, positions)
         self.scoring_s = 0.0
@@ -40,7 +43,11 @@ class Propagation:
         """The observation window whose scores `after_layer` reads at `layer` (None: none)."""
         return None
 
+    def forward(self, view) -> torch.Tensor | None:
+        return self.after_layer(view)
+
     def after_layer(self, view) -> torch.Tensor | None:
+        """Kept token indices (B, K) when this layer propagates, else None."""
         return None
 
     def guide(self) -> torch.Tensor | None:
@@ -60,7 +67,7 @@ class FixedLayerPropagation(Propagation):
     def __init__(self, layer: int, keep: list[int], window: int, kernel: int, pooling: str | None):
         super().__init__(len(keep), window)
         self.layer, self.keep, self.window, self.kernel, self.pooling = layer, keep, window, kernel, pooling
-        self.host_syncs = 1  # the layer is fixed: one decision
+        # the layer is fixed and the row lengths are known: no read-back (host_syncs stays 0)
 
     def window_needed(self, layer: int) -> int | None:
         return self.window if layer == self.layer else None
@@ -68,10 +75,10 @@ class FixedLayerPropagation(Propagation):
     def after_layer(self, view) -> torch.Tensor | None:
         if view.layer != self.layer:
             return None
-        saliency, _ = view.window_scores(self.window)
+        saliency = view.window_scores(self.window)
         score = pooled_saliency(saliency, self.window, self.kernel, self.pooling).sum(1)  # (B, n)
         self.pivots = [self.layer] * len(self.keep)
-        return self.pruner.select(score, view.valid, self.keep)
+        return self.pruner.select(score, view.valid, self.keep, view.lengths)
 
 
 class RestartPropagation(Propagation):
@@ -83,11 +90,11 @@ class RestartPropagation(Propagation):
     def __init__(self, layer: int, keep: list[int], kernel: int):
         super().__init__(len(keep), 0, positions="compact")
         self.layer, self.keep, self.kernel = layer, keep, kernel
-        self.host_syncs = 1
+        self.host_syncs = 1  # the re-encode is a new prefill: it reads its row lengths once
 
     def after_layer(self, view) -> torch.Tensor | None:
         if view.layer != self.layer:
             return None
         score = view.last_query_logits(self.kernel)
         self.pivots = [self.layer] * len(self.keep)
-        return self.pruner.select(score, view.valid, self.keep)
+        return self.pruner.select(score, view.valid, self.keep, view.lengths)

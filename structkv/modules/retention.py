@@ -38,15 +38,17 @@ class Retention:
     def after_propagation(self, prop) -> None:
         """Called after the propagation saw the layer (a guide may now exist)."""
 
-    def finish(self, model=None, tokens=None) -> None:
-        """Called once after the last layer, with the model and the prompt's token ids (B, S)."""
+    def finish(self, model=None, tokens=None, memo: dict | None = None) -> None:
+        """Called once after the last layer, with the model and the prompt's token ids (B, S);
+        `memo`: shared by the methods of one lane (same tokens at every layer), for work that
+        depends only on them (KVzip's reconstruction)."""
 
     def _scores(self, held: "_Held") -> torch.Tensor:
         """The scores (B, H, n), H = Hkv or 1, that choose a planned layer's entries."""
         return held.scores
 
     def _store(self, held: "_Held") -> None:
-        idx = select_tokens(self._scores(held), held.valid, self.plan[held.layer], self.method.window)
+        idx = select_tokens(self._scores(held), held.valid, self.plan[held.layer], self.method.window, held.lengths)
         idx = idx.expand(-1, held.k.shape[1], -1) if idx.shape[1] == 1 else idx[:, held.kv_heads]  # (B, Hkv, K)
         with held.timer.phase("cache_fill"):
             self.cache.fill(held.layer, held.k, held.v, held.positions, idx, check=False)
@@ -58,6 +60,7 @@ class _Held:
     def __init__(self, view, scores):
         self.layer, self.k, self.v, self.positions = view.layer, view.k, view.v, view.positions
         self.columns, self.scores, self.valid, self.timer = view.columns, scores, view.valid, view.timer
+        self.lengths = view.lengths
         self.kv_heads = view.kv_heads  # this rank's heads among the scores' (tensor parallelism)
 
 
@@ -84,7 +87,7 @@ class GuidedRetention(Retention):
             if self.guide is not None:
                 self._flush()
 
-    def finish(self, model=None, tokens=None) -> None:
+    def finish(self, model=None, tokens=None, memo: dict | None = None) -> None:
         self._flush()  # never guided (no pivot fired): own scores only
 
     def _flush(self) -> None:
@@ -124,16 +127,18 @@ class ReconstructionRetention(Retention):
             return
         super().layer(view)
 
-    def finish(self, model=None, tokens=None) -> None:
+    def finish(self, model=None, tokens=None, memo: dict | None = None) -> None:
         if not self.held:
             return
         if model is None:
             raise ValueError("kvzip scores its entries by running the model again: the prefill loop passes it")
-        scores, run, seconds = self._score(model, tokens)
+        key = ("reconstruction", self.method.prompt, self.method.chunk)
+        memo = {} if memo is None else memo
+        if key not in memo:  # the same context and K/V for every method of the lane: run it once
+            memo[key] = self._score(model, tokens)
+        scores, run, seconds = memo[key]
         for held in self.held:
-            held.scores = scores[held.layer]
-            if not self.method.per_head:
-                held.scores = held.scores.sum(1, keepdim=True)
+            held.scores = self.method.heads(scores[held.layer])
             self._store(held)
         self.held = []
         self.reconstruction = {"tokens": run, "seconds": seconds}

@@ -21,8 +21,8 @@ def received_attention(q, k, pos, scale: float, block: int = H2O_QUERY_BLOCK) ->
     out = torch.zeros(k.shape[0], k.shape[1], n, device=k.device)
     for s in range(0, n, block):
         e = min(s + block, n)
-        part, _ = window_scores(q[:, :, s:e], k[:, :, :e], pos[:, s:e].contiguous(), pos[:, :e].contiguous(),
-                                scale=scale)
+        part = window_scores(q[:, :, s:e], k[:, :, :e], pos[:, s:e].contiguous(), pos[:, :e].contiguous(),
+                             scale=scale)
         out[:, :, :e] += part * (e - s)  # window_scores averages over the block's queries
     return out
 

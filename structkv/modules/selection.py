@@ -44,16 +44,23 @@ def budget_tokens(budget: float | int, lengths: torch.Tensor, what: str = "budge
     return Budget.parse(budget, what).tokens(lengths)
 
 
-def select_tokens(scores: torch.Tensor, valid: torch.Tensor, keep: list[int], window: int) -> torch.Tensor:
+def kept_counts(keep: list[int], lengths: list[int]) -> list[int]:
+    """Tokens a selection keeps per row: its budget, or the whole row when shorter."""
+    return [min(k, n) for k, n in zip(keep, lengths)]
+
+
+def select_tokens(scores: torch.Tensor, valid: torch.Tensor, keep: list[int], window: int,
+                  lengths: list[int] | None = None) -> torch.Tensor:
     """Keep, per row and head, the last `window` valid tokens plus the best-scored others.
 
     scores: (B, H, n) (higher is better); valid: (B, n) bool; keep: tokens to keep per row
-    (window included; >= the row length keeps everything). Returns sorted (B, H, K) int64 indices
-    with -1 left padding, K = max(keep).
+    (window included; >= the row length keeps everything); lengths: the rows' valid tokens when
+    the caller knows them (the prefill loop does), else read from `valid` (a host sync). Returns
+    sorted (B, H, K) int64 indices with -1 left padding, K = max(kept_counts(keep, lengths)).
     """
     B, H, n = scores.shape
-    lens = valid.sum(1).tolist()
-    keep = [min(k, l) for k, l in zip(keep, lens)]
+    lens = valid.sum(1).tolist() if lengths is None else lengths
+    keep = kept_counts(keep, lens)
     K = max(keep)
     col = torch.arange(n, device=scores.device)
     in_window = col[None] >= n - window  # (1, n): the last `window` columns

@@ -6,12 +6,15 @@ saliency) and for GemFilter's restart (score = raw last-query logits, positions 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from .selection import gather_tokens, select_tokens
+from .selection import gather_tokens, kept_counts, select_tokens
 
 
-class SkeletonPruner:
-    """Select and gather a token skeleton (a plain object: no tensor state).
+class SkeletonPruner(nn.Module):
+    """Select and gather a token skeleton. `forward` selects (`select`); `gather` takes the kept
+    tokens. No tensor state: `counts` holds the kept tokens per row of the last selection (host
+    ints), so the caller knows the new lengths without reading them back from the device.
 
     Args:
         window: observation-window size (always kept).
@@ -21,13 +24,24 @@ class SkeletonPruner:
     """
 
     def __init__(self, window: int = 8, positions: str = "original"):
+        super().__init__()
         if positions not in ("original", "compact"):
             raise ValueError(f"positions must be 'original' or 'compact', got {positions!r}")
         self.window, self.positions = window, positions
+        self.counts: list[int] | None = None
 
-    def select(self, scores: torch.Tensor, valid: torch.Tensor, keep: list[int]) -> torch.Tensor:
-        """scores (B, n), valid (B, n) -> sorted kept columns (B, K), -1 left padding."""
-        return select_tokens(scores[:, None], valid, keep, self.window)[:, 0]
+    def forward(self, scores: torch.Tensor, valid: torch.Tensor, keep: list[int],
+                lengths: list[int] | None = None) -> torch.Tensor:
+        """`select`: scores (B, n) -> sorted kept columns (B, K), -1 left padding."""
+        return self.select(scores, valid, keep, lengths)
+
+    def select(self, scores: torch.Tensor, valid: torch.Tensor, keep: list[int],
+               lengths: list[int] | None = None) -> torch.Tensor:
+        """scores (B, n), valid (B, n) -> sorted kept columns (B, K), -1 left padding. `lengths`:
+        the rows' valid tokens if known (no host sync)."""
+        lengths = valid.sum(1).tolist() if lengths is None else lengths
+        self.counts = kept_counts(keep, lengths)
+        return select_tokens(scores[:, None], valid, keep, self.window, lengths)[:, 0]
 
     def gather(self, indices: torch.Tensor, *tensors: torch.Tensor, positions: torch.Tensor):
         """Gather each (B, n, ...) tensor at `indices` (B, K); returns them plus the new positions.

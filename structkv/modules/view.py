@@ -30,6 +30,11 @@ class LayerView:
     used: set = field(default_factory=set)
     tp: object = None  # a TensorParallel: q/k/v hold this rank's heads, scores are gathered from all
     inv_freq: torch.Tensor | None = None  # (D/2,) the layer's RoPE frequencies (expected attention)
+    lengths: list[int] | None = None  # valid tokens per row (host ints; read from positions if not given)
+
+    def __post_init__(self):
+        if self.lengths is None:  # a view made outside the prefill loop: one read-back
+            self.lengths = (self.positions >= 0).sum(1).tolist()
 
     @property
     def num_kv_heads(self) -> int:
@@ -45,13 +50,13 @@ class LayerView:
     def valid(self) -> torch.Tensor:
         return self.positions >= 0  # (B, n)
 
-    def window_scores(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(saliency (B, Hkv, n), entropy (B, Hq, window)) of the last `window` queries."""
+    def window_scores(self, window: int) -> torch.Tensor:
+        """Saliency (B, Hkv, n) of the last `window` queries."""
         def compute():
             n = self.k.shape[2]
             return window_scores(self.q[:, :, n - window:], self.k, self.positions[:, n - window:].contiguous(),
                                  self.positions, scale=self.scale)
-        return self._scores(("window", window), compute)
+        return self.scores(("window", window), compute)
 
     def window_scores_per_query_head(self, window: int) -> torch.Tensor:
         """(B, Hq, n): each query head's attention from the last `window` queries (K repeated per
@@ -60,24 +65,22 @@ class LayerView:
             n, G = self.k.shape[2], self.q.shape[1] // self.k.shape[1]
             k = self.k.repeat_interleave(G, dim=1)  # (B, Hq, n, D)
             return window_scores(self.q[:, :, n - window:], k, self.positions[:, n - window:].contiguous(),
-                                 self.positions, scale=self.scale)[0]
-        return self._scores(("window_q", window), compute)
+                                 self.positions, scale=self.scale)
+        return self.scores(("window_q", window), compute)
 
     def received_attention(self) -> torch.Tensor:
         """(B, Hkv, n): attention received from every query (H2O)."""
-        return self._scores(("received",), lambda: received_attention(self.q, self.k, self.positions, self.scale))
+        return self.scores(("received",), lambda: received_attention(self.q, self.k, self.positions, self.scale))
 
     def last_query_logits(self, kernel: int) -> torch.Tensor:
         """(B, n): GemFilter's last-query logits summed over every head, avg-pooled."""
-        return self._scores(("last_query", kernel), lambda: last_query_logits(
+        return self.scores(("last_query", kernel), lambda: last_query_logits(
             self.q, self.k, self.valid, kernel, reduce=self.tp.all_reduce if self.tp is not None else None))
 
-    def per_kv_head(self, key, compute):
-        """Scores (B, Hkv, n) a method computes from this layer's tensors, memoised under `key`
-        and gathered over every rank's heads under tensor parallelism."""
-        return self._scores(key, compute)
-
-    def _scores(self, key, compute):
+    def scores(self, key, compute):
+        """Scores computed once per (tokens, layer) under `key`: `compute()` runs on first request
+        (timed as scoring) and its per-head result is gathered over every rank's heads under tensor
+        parallelism; later requests, by this method or another on the same tokens, reuse it."""
         if key not in self.memo:
             with self.timer.phase("scoring") as span:
                 value = self._gathered(compute())

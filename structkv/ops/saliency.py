@@ -45,8 +45,9 @@ def _logits(qg: torch.Tensor, k: torch.Tensor, scale: float, softcap: float) -> 
 
 
 def window_scores_reference(q, k, q_pos, k_pos, scale: float, window: int = 0, softcap: float = 0.0,
-                            chunk: int = CHUNK):
-    """Chunked two-pass reference; see the module docstring. Returns (saliency, entropy) float32."""
+                            chunk: int = CHUNK, entropy: bool = True):
+    """Chunked two-pass reference; see the module docstring. Returns (saliency, entropy) float32,
+    entropy (B, Hq, 0) unless asked for (its accumulator is then skipped)."""
     B, Hq, w, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -61,19 +62,21 @@ def window_scores_reference(q, k, q_pos, k_pos, scale: float, window: int = 0, s
         m_new = torch.maximum(m, x.amax(-1))
         m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
         alpha = torch.where(torch.isfinite(m), torch.exp(m - m_safe), 0.0)
-        e.mul_(alpha).add_(torch.nan_to_num(x, neginf=0.0).mul_(torch.exp(x - m_safe[..., None])).sum(-1))
+        if entropy:
+            e.mul_(alpha).add_(torch.nan_to_num(x, neginf=0.0).mul_(torch.exp(x - m_safe[..., None])).sum(-1))
         l.mul_(alpha).add_(x.sub_(m_safe[..., None]).exp_().sum(-1))
         m = m_new
     seen = l > 0
     l_safe = torch.where(seen, l, 1.0)
     lse = torch.where(seen, m + torch.log(l_safe), float("inf"))  # +inf: an unseen row contributes 0
-    entropy = torch.where(seen, lse - e / l_safe, 0.0)
+    ent = torch.where(seen, lse - e / l_safe, 0.0).reshape(B, Hq, w).clamp_min(0.0) if entropy else q.new_zeros(
+        (B, Hq, 0), dtype=torch.float32)
     saliency = torch.zeros(B, Hkv, N)
     for s in range(0, N, chunk):  # pass 2: normalised probabilities, summed over group and window
         x = _logits(qg, k[:, :, s:s + chunk], scale, softcap)
         x.masked_fill_(~_visible(q_pos, k_pos[:, s:s + chunk], window), float("-inf"))
         saliency[:, :, s:s + chunk] = x.sub_(lse[..., None]).exp_().sum(dim=(2, 3)).div_(w)
-    return saliency, entropy.reshape(B, Hq, w).clamp_min(0.0)
+    return saliency, ent
 
 
 def window_scores_naive(q, k, q_pos, k_pos, scale: float, window: int = 0, softcap: float = 0.0):
@@ -92,18 +95,19 @@ def window_scores_naive(q, k, q_pos, k_pos, scale: float, window: int = 0, softc
 
 @torch.library.custom_op("structkv::window_scores", mutates_args=(), device_types=None)
 def _window_scores_op(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float,
-                      window: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      window: int, softcap: float, entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if q.device.type == "cuda":
         from .triton_kernels import window_scores_triton
 
-        return window_scores_triton(q, k, q_pos, k_pos, scale, window, softcap)
-    return window_scores_reference(q, k, q_pos, k_pos, scale, window, softcap)
+        return window_scores_triton(q, k, q_pos, k_pos, scale, window, softcap, entropy)
+    return window_scores_reference(q, k, q_pos, k_pos, scale, window, softcap, entropy=entropy)
 
 
 @_window_scores_op.register_fake
-def _(q, k, q_pos, k_pos, scale, window, softcap):
+def _(q, k, q_pos, k_pos, scale, window, softcap, entropy):
     B, Hq, w, _ = q.shape
-    return q.new_empty((B, k.shape[1], k.shape[2]), dtype=torch.float32), q.new_empty((B, Hq, w), dtype=torch.float32)
+    return (q.new_empty((B, k.shape[1], k.shape[2]), dtype=torch.float32),
+            q.new_empty((B, Hq, w if entropy else 0), dtype=torch.float32))
 
 
 def _check(q, k, q_pos, k_pos, window, softcap):
@@ -130,8 +134,9 @@ def _check(q, k, q_pos, k_pos, window, softcap):
 
 
 def window_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, *,
-                  scale: float | None = None, window: int | None = None, softcap: float | None = None):
-    """Window-attention saliency per KV head and entropy per window query.
+                  scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                  entropy: bool = False):
+    """Window-attention saliency per KV head (and, when asked, the entropy per window query).
 
     Args:
         q: (B, Hq, w, D) window queries, RoPE applied.
@@ -140,7 +145,9 @@ def window_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: 
         k_pos: (B, N) original positions of the keys; -1 marks padding / invalid keys.
         scale: softmax scale (default 1/sqrt(D)). window: sliding window or None. softcap: logit
             soft-capping (x -> c*tanh(x/c)) or None.
-    Returns:
+        entropy: also return each window query's entropy (no method needs it; the detector's
+            statistics are over the pooled saliency), so it is only computed when asked for.
+    Returns saliency, or (saliency, entropy) with `entropy=True`:
         saliency (B, Hkv, N) float32: for each KV head, the sum over its G query heads of the mean
             over the w queries of the attention probability on each key (0 where invisible); each
             query row with a visible key contributes mass 1, so a KV head's row sums to <= G.
@@ -148,4 +155,6 @@ def window_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: 
     """
     _check(q, k, q_pos, k_pos, window, softcap)
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _window_scores_op(q, k, q_pos.long(), k_pos.long(), scale, int(window or 0), float(softcap or 0.0))
+    sal, ent = _window_scores_op(q, k, q_pos.long(), k_pos.long(), scale, int(window or 0), float(softcap or 0.0),
+                                 bool(entropy))
+    return (sal, ent) if entropy else sal

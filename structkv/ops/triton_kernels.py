@@ -34,7 +34,7 @@ def _window_stats(Q, K, QPOS, KPOS, LSE, ENT,
                   Hq, W, N, D, scale, window, softcap,
                   sqb, sqh, sqw, sqd, skb, skh, skn, skd, sqpb, sqpw, skpb, skpn,
                   GROUP: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                  HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr):
     pid = tl.program_id(0)
     b, h = pid // Hq, pid % Hq
     hk = h // GROUP
@@ -60,15 +60,16 @@ def _window_stats(Q, K, QPOS, KPOS, LSE, ENT,
         alpha = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_safe))
         p = tl.where(vis, tl.exp(x - m_safe[:, None]), 0.0)
         l = l * alpha + tl.sum(p, 1)
-        e = e * alpha + tl.sum(p * tl.where(vis, x, 0.0), 1)
+        if WITH_ENTROPY:
+            e = e * alpha + tl.sum(p * tl.where(vis, x, 0.0), 1)
         m = m_new
     seen = l > 0
     l_safe = tl.where(seen, l, 1.0)
     lse = m + tl.log(l_safe)
-    ent = tl.where(seen, tl.maximum(lse - e / l_safe, 0.0), 0.0)
     out = pid * W + offs_w  # LSE and ENT are contiguous (B, Hq, W)
     tl.store(LSE + out, tl.where(seen, lse, float("inf")), mask=w_ok)  # +inf: row contributes nothing
-    tl.store(ENT + out, ent, mask=w_ok)
+    if WITH_ENTROPY:
+        tl.store(ENT + out, tl.where(seen, tl.maximum(lse - e / l_safe, 0.0), 0.0), mask=w_ok)
 
 
 @triton.jit
@@ -76,7 +77,7 @@ def _window_saliency(Q, K, QPOS, KPOS, LSE, SAL,
                      Hq, Hkv, W, N, D, scale, window, softcap,
                      sqb, sqh, sqw, sqd, skb, skh, skn, skd, sqpb, sqpw, skpb, skpn,
                      GROUP: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr):
     pid = tl.program_id(0)
     b, hk = pid // Hkv, pid % Hkv
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,24 +109,25 @@ def _blocks(w: int, d: int):
     return block_w, block_n, block_d
 
 
-def window_scores_triton(q, k, q_pos, k_pos, scale: float, window: int, softcap: float):
+def window_scores_triton(q, k, q_pos, k_pos, scale: float, window: int, softcap: float, entropy: bool = True):
     """Launch both passes. q (B, Hq, w, D), k (B, Hkv, N, D), q_pos (B, w), k_pos (B, N) int64.
 
-    Returns saliency (B, Hkv, N) and entropy (B, Hq, w), float32; any strides are accepted.
+    Returns saliency (B, Hkv, N) and entropy (B, Hq, w) (B, Hq, 0) unless `entropy`), float32;
+    any strides are accepted. Without `entropy` the first pass skips its third accumulator.
     """
     B, Hq, W, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     assert Hq % Hkv == 0 and k.shape[0] == B and k.shape[3] == D
     assert q_pos.shape == (B, W) and k_pos.shape == (B, N)
     lse = torch.empty((B, Hq, W), dtype=torch.float32, device=q.device)
-    ent = torch.empty((B, Hq, W), dtype=torch.float32, device=q.device)
+    ent = torch.empty((B, Hq, W if entropy else 0), dtype=torch.float32, device=q.device)
     sal = torch.empty((B, Hkv, N), dtype=torch.float32, device=q.device)
     if B * Hq * W == 0 or N == 0:
         return sal.zero_(), ent.zero_()
     block_w, block_n, block_d = _blocks(W, D)
     strides = (*q.stride(), *k.stride(), *q_pos.stride(), *k_pos.stride())
     flags = dict(GROUP=Hq // Hkv, BLOCK_W=block_w, BLOCK_N=block_n, BLOCK_D=block_d,
-                 HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0)
+                 HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, WITH_ENTROPY=entropy)
     _window_stats[(B * Hq, triton.cdiv(W, block_w))](
         q, k, q_pos, k_pos, lse, ent, Hq, W, N, D, scale, window, softcap, *strides, **flags)
     _window_saliency[(B * Hkv, triton.cdiv(N, block_n))](
@@ -159,7 +161,7 @@ def _compact(K, V, KPOS, IDX, KC, VC, PC,
     tl.store(PC + b * spb + h * sph + offs_m * spc, tl.where(valid, pos, -1), mask=m_ok)
 
 
-def compact_kv_triton(k_cache, v_cache, pos_cache, lengths, k, v, k_pos, indices) -> None:
+def compact_kv_triton(k_cache, v_cache, pos_cache, k, v, k_pos, indices) -> None:
     """Gather kernel for `structkv::compact_kv` (same contract as the reference)."""
     B, H, N, D = k.shape
     M = indices.shape[2]
@@ -171,4 +173,3 @@ def compact_kv_triton(k_cache, v_cache, pos_cache, lengths, k, v, k_pos, indices
             *k.stride(), *v.stride(), *k_pos.stride(), *indices.stride(),
             *k_cache.stride(), *v_cache.stride(), *pos_cache.stride(), BLOCK_M=block_m, BLOCK_D=block_d)
     pos_cache[:, :, M:] = -1
-    lengths.copy_((indices >= 0).sum(-1))

@@ -21,11 +21,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .. import chat
 from ..compress import prefill
-from ..detokenize import StopText
 from ..generation import generate
 from ..methods import Budget, build, names
+from ..text import chat
+from ..text.detokenize import StopText
 from .context_cache import ContextCache, context_key
 from .metrics import Metrics
 from .protocol import APIError, Request, bad, usage

@@ -10,6 +10,9 @@ stacked into one batch (`StackedKVCache`, the same prefill pass for all: `compre
 - top-1 agreement: how often the method's argmax is the full cache's token;
 - gold NLL: mean negative log-likelihood of the gold answer's tokens (its first 64) after the
   prompt (the full cache's row gives the reference).
+With `--question-after-compression` only the context is compressed; the question is appended
+uncompressed to every cache (the full one too) before the continuation and the gold answer, whose
+tokens alone are scored: the compress-once-ask-many setting.
 A task score flips on one token; these move smoothly, so 20-40 prompts separate methods whose
 RULER accuracies are within noise. Per method: means with bootstrap 95 % intervals over prompts,
 and paired differences against FastKV and SnapKV at the same KV budget (resampling prompts,
@@ -53,20 +56,24 @@ def answer_ids(tokenizer, sample: dict) -> list[int]:
 
 
 @torch.inference_mode()
-def measure(model, ids: list[int], methods: list, continuation: int, gold: list[int], compile=False) -> list[dict]:
-    """{kl, top1, gold_nll} per method for one prompt (the full cache's own row is the reference)."""
+def measure(model, ids: list[int], methods: list, continuation: int, gold: list[int], compile=False,
+            question: list[int] | None = None) -> list[dict]:
+    """{kl, top1, gold_nll} per method for one prompt (the full cache's own row is the reference);
+    `question`: appended uncompressed after the compressed `ids` before what is scored."""
     from ...compress import compress_shared
     from ...methods import Full
     from ...models.kv_cache import StackedKVCache
-    from ...prompts import encode_batch
+    from ...text.prompts import encode_batch
 
     tokens, positions, _ = encode_batch(model, [ids])
-    room = continuation + len(gold) + 1
+    question = list(question or [])
+    room = len(question) + continuation + len(gold) + 1
     rows = compress_shared(model, tokens, positions, [Full(), *methods], room=room, compile=compile)
     reference, states = rows[0], rows[1:]  # the full cache's lane shares the pass with the methods
-    cont = _decode(model, reference, continuation)  # the full cache's own continuation
+    cont = _decode(model, reference, continuation, question)  # the full cache's own continuation
     outs = []
     for seq in (cont, gold):
+        seq = question + seq  # teacher-forced; only the part after the question is scored
         cache = StackedKVCache([s.cache for s in rows])
         R = len(rows)
         first = torch.cat([s.logits for s in rows])[:, None]  # (R, 1, V): the token after the prompt
@@ -74,7 +81,7 @@ def measure(model, ids: list[int], methods: list, continuation: int, gold: list[
             pos = torch.cat([s.next_positions for s in rows]) + torch.arange(len(seq) - 1)  # (R, S-1)
             rest = model.extend(torch.tensor([seq[:-1]]).expand(R, -1), pos, cache, every=True)  # (R, S-1, V)
             first = torch.cat([first, rest], 1)
-        outs.append(first)  # (R, S, V) logits
+        outs.append(first[:, len(question):])  # (R, S, V) logits of the scored tokens
     logits, gold_logits = outs
     logp = torch.log_softmax(logits.float(), -1)  # (R, K, V)
     target = torch.tensor(cont)
@@ -88,10 +95,14 @@ def measure(model, ids: list[int], methods: list, continuation: int, gold: list[
              "pivot_layer": st.get("pivot_layer"), "kv_bytes_kept": st.kv_bytes} for r, st in enumerate(stats)]
 
 
-def _decode(model, state, steps: int) -> list[int]:
-    """Greedy tokens from a state, without stopping at EOS (the continuation has a fixed length)."""
+def _decode(model, state, steps: int, prefix: list[int] = ()) -> list[int]:
+    """Greedy tokens from a state after `prefix` (fed first), without stopping at EOS (the
+    continuation has a fixed length)."""
     cache = state.cache.clone()
     logits, pos, out = state.logits, state.next_positions.clone(), []
+    if prefix:
+        logits = model.extend(torch.tensor([list(prefix)]), pos + torch.arange(len(prefix)), cache)
+        pos = pos + len(prefix)
     for _ in range(steps):
         token = logits.argmax(-1)  # (1,)
         out.append(int(token))
@@ -118,11 +129,13 @@ def run(cfg, out, model=None, *, progress: bool = True) -> dict:
                 bar.step(_what(sample), skipped=True)
                 continue
             found = measure(model, sample["input_ids"], [make_method(cfg, name, b) for _, name, b in todo],
-                            cfg.continuation, answer_ids(model.tokenizer, sample), cfg.compile)
+                            cfg.continuation, answer_ids(model.tokenizer, sample), cfg.compile,
+                            sample.get("question_ids"))
             for (label, name, budget), values in zip(todo, found):
                 record = {"key": _key(label, sample), "label": label, "method": name, "kv_budget": budget,
                           "task": sample["task"], "index": sample["index"], "length_budget": sample["length_budget"],
-                          "prompt_tokens": len(sample["input_ids"]), **values}
+                          "prompt_tokens": len(sample["input_ids"]) + len(sample.get("question_ids", [])),
+                          **values}
                 sink.write(json.dumps(record) + "\n")
                 sink.flush()
                 done[record["key"]] = record

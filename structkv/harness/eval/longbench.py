@@ -19,10 +19,10 @@ import json
 import zipfile
 from pathlib import Path
 
-from ...data import data_dir
 from ...fetch import cache_root, hub_file, locked
 from ...files import write_atomic
 from .metrics import LONGBENCH_METRIC
+from .sources import data_dir
 
 TASKS = list(LONGBENCH_METRIC)
 # Few-shot tasks (their examples read as a text to continue, the answer in the examples' format) and

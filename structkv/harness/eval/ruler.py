@@ -14,6 +14,12 @@ Deliberate differences, none of which changes what a task asks:
 - sentence splitting is rule-based (`structkv.harness.eval.text`), not nltk punkt;
 - niah word keys are drawn uniformly from all adjective-noun pairs without materialising the
   sorted list of 6 million pairs.
+
+One task of our own, outside RULER's 13 (`EXTRA_TASKS`, asked for by name): `niah_many`, the
+compress-once-ask-many task. A context holds four needles (word key -> 7-digit number, as
+niah_multikey_1 but every key is real) and each is asked on its own: samples 4c..4c+3 share
+context c and ask its keys 0..3, so a query-agnostic run answers four questions from one
+compressed state (the runner reuses it), as `structkv serve` does with a cached document.
 """
 from __future__ import annotations
 
@@ -24,8 +30,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ...data import ruler_file
 from ...files import read_json
+from .sources import ruler_file
 from .text import split_sentences
 
 NIAH_TEMPLATE = (
@@ -74,9 +80,9 @@ class Task:
         return dict(self.options).get(name, default)
 
 
-def _niah(haystack, key, value, k=1, v=1, q=1):
+def _niah(haystack, key, value, k=1, v=1, q=1, many=False):
     return Task("niah", 128, "string_match_all", (("haystack", haystack), ("key", key), ("value", value),
-                                                   ("k", k), ("v", v), ("q", q)))
+                                                   ("k", k), ("v", v), ("q", q), ("many", many)))
 
 
 TASKS: dict[str, Task] = {
@@ -94,6 +100,9 @@ TASKS: dict[str, Task] = {
     "qa_1": Task("qa", 32, "string_match_part", (("dataset", "squad"),)),
     "qa_2": Task("qa", 32, "string_match_part", (("dataset", "hotpotqa"),)),
 }
+MANY = 4  # questions per context of `niah_many`
+EXTRA_TASKS: dict[str, Task] = {"niah_many": _niah("essay", "words", "numbers", k=MANY, many=True)}
+ALL_TASKS = {**TASKS, **EXTRA_TASKS}
 
 
 # ------------------------------------------------------------------------------ ingredients
@@ -184,7 +193,8 @@ def _singular(template: str) -> str:
     return template.replace("Some", "A").replace("are all", "is").replace("are", "is").replace("answers", "answer")
 
 
-def _niah_sample(task: Task, rng: random.Random, size: int, root) -> tuple[str, str, list[str]]:
+def _niah_sample(task: Task, rng: random.Random, size: int, root, ask: int | None = None) -> tuple[str, str, list[str]]:
+    """`ask`: the key asked (`niah_many`); None: RULER's draw of `q` keys."""
     k, v, q = task.opt("k"), task.opt("v"), task.opt("q")
     k = max(k, q)
     keys, values, needles = [], [], []
@@ -212,7 +222,7 @@ def _niah_sample(task: Task, rng: random.Random, size: int, root) -> tuple[str, 
         for at, needle in zip(sorted(rng.sample(range(size), len(needles)), reverse=True), needles):
             lines.insert(at, needle)
         context = "\n".join(lines)
-    chosen = rng.sample(range(k), q)
+    chosen = rng.sample(range(k), q) if ask is None else [ask]
     queries = [keys[i] for i in chosen]
     answers = [a for i in chosen for a in values[i]]
     query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
@@ -348,7 +358,9 @@ def _question(prompt: str, context: str) -> str:
 
 
 def _build(name: str, index: int, size: int, seed: int, length: int, root, tokenizer):
-    task = TASKS[name]
+    task = ALL_TASKS[name]
+    if task.opt("many"):  # one context per MANY samples, each asking one of its keys
+        return _niah_sample(task, random.Random(f"{seed}/{name}/{length}/{index // MANY}"), size, root, index % MANY)
     rng = random.Random(f"{seed}/{name}/{length}/{index}")
     if task.kind == "niah":
         return _niah_sample(task, rng, size, root)
@@ -363,7 +375,7 @@ def _build(name: str, index: int, size: int, seed: int, length: int, root, token
 
 def _min_size(name: str) -> int:
     """The smallest haystack size a task can be built with (words, lines, list entries or documents)."""
-    task = TASKS[name]
+    task = ALL_TASKS[name]
     needles = max(task.opt("k") or 1, task.opt("q") or 1) * (task.opt("v") or 1)
     return {"niah": needles, "vt": 1, "cwe": (task.opt("num_cw") or 0) + 1, "fwe": 10, "qa": 1}[task.kind]
 
@@ -376,17 +388,19 @@ def generate(task: str, tokenizer, length: int, samples: int, *, seed: int = 42,
     max_new_tokens <= length, counted with `tokenizer` (BOS included). `start` skips samples,
     so generate(..., samples=5, start=5) continues generate(..., samples=5).
     """
-    if task not in TASKS:
-        raise ValueError(f"unknown RULER task {task!r}; valid: {', '.join(TASKS)}")
+    if task not in ALL_TASKS:
+        raise ValueError(f"unknown RULER task {task!r}; valid: {', '.join(ALL_TASKS)}")
     if not isinstance(length, int) or length < 256:
         raise ValueError(f"length must be an int of at least 256 tokens, got {length!r}")
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    spec = TASKS[task]
+    spec = ALL_TASKS[task]
     root = None if data_dir is None else str(data_dir)
     budget = length - spec.max_new_tokens
 
     def tokens_at(index, size):
+        if spec.opt("many"):  # the context is sized once, by its first question: all its questions share it
+            index -= index % MANY
         prompt, prefix, _, _ = _build(task, index, size, seed, length, root, tokenizer)
         return len(tokenizer.encode(prompt + prefix))
 

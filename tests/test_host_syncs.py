@@ -1,0 +1,72 @@
+"""The compressed prefill reads the device back only for decisions that depend on the data, and
+its `host_syncs` statistic counts exactly those reads.
+
+Every size the loop needs follows from the prompt's row lengths, read once before the first
+layer; selection, compaction and a fixed propagation layer then need no read-back. StructKV's
+pivot detector must read each observed layer's statistics (the pivot depends on them): those
+reads are `host_syncs`. Counted by wrapping the tensor methods that copy to the host
+(`tolist`, `item`, `__bool__`, `__int__`, `__float__`) while a layer is handled.
+"""
+import importlib
+
+import pytest
+import torch
+
+import structkv
+from structkv import methods
+
+engine = importlib.import_module("structkv.compress")  # the module (the package exports the function)
+
+READS = ("tolist", "item", "__bool__", "__int__", "__float__")
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir):
+    return {arch: structkv.load(tiny_dir(arch)) for arch in ("llama", "gemma3_text")}
+
+
+def _count_reads_per_layer(monkeypatch):
+    """Patch the host reads to count them while `compress._layer` runs; returns the counter."""
+    counter = {"inside": False, "reads": 0}
+    for name in READS:
+        real = getattr(torch.Tensor, name)
+
+        def wrapped(self, *a, _real=real, **k):
+            if counter["inside"]:
+                counter["reads"] += 1
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapped)
+    layer = engine._layer
+
+    def counted(*a, **k):
+        counter["inside"] = True
+        try:
+            return layer(*a, **k)
+        finally:
+            counter["inside"] = False
+
+    monkeypatch.setattr(engine, "_layer", counted)
+    return counter
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("name, options, reads", [
+    ("full", {}, 0), ("streaming_llm", {"kv_budget": 0.3}, 0), ("snapkv", {"kv_budget": 0.2}, 0),
+    ("pyramidkv", {"kv_budget": 0.2}, 0), ("h2o", {"kv_budget": 0.2}, 0), ("keydiff", {"kv_budget": 0.2}, 0),
+    ("expected_attention", {"kv_budget": 0.2}, 0), ("fastkv", {"kv_budget": 0.2, "tsp_layer": 1}, 0),
+    ("structkv", {"kv_budget": 0.2}, 0), ("structkv", {"kv_budget": 0.2, "pivot": "dynamic"}, None),
+    ("structkv_paper", {"kv_budget": 0.2}, None),
+])
+def test_layers_read_back_only_what_host_syncs_counts(models, monkeypatch, arch, name, options, reads):
+    model = models[arch]
+    tokens = torch.randint(3, 96, (2, 60), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(60).expand(2, -1).clone()
+    positions[1, :9] = -1  # a left-padded row
+    counter = _count_reads_per_layer(monkeypatch)
+    state = engine.compress(model, tokens, positions, methods.get(name, **options))
+    assert counter["reads"] == state.stats.host_syncs
+    if reads is not None:
+        assert state.stats.host_syncs == reads
+    else:  # the detector reads each layer of its curve once, up to the last row's pivot
+        assert 1 <= state.stats.host_syncs <= len(model.config.full_attention_layers)
