@@ -136,19 +136,25 @@ def ruler_accuracy(model, configs: dict, args, argv) -> int:
                      kv_budgets=[args.kv_budget], struct_budget=args.struct_budget, lengths=[args.lengths],
                      tasks=args.tasks.split(","), samples=args.samples, seed=args.seed, chat=args.chat,
                      compile=not args.eager)
-    out = Path(args.out)
-    result = runner.run(cfg, out, model, configs=runs)
-    known = out / "configurations.json"  # labels of earlier invocations (--only) stay described
-    described = json.loads(known.read_text()) if known.exists() else {}
-    write_text_atomic(known, json.dumps(described | {label: repr(m) for label, m in runs.items()}, indent=2))
     head = (f"# StructKV development split, RULER accuracy: {args.model}, {args.tasks} x {args.samples} at "
             f"{args.lengths} tokens, seed {args.seed}{', chat' if args.chat else ''}, R_KV {args.kv_budget}, "
             f"R_struct {args.struct_budget}\n\nCommand: python benchmarks/structkv_dev.py "
             f"{' '.join(argv or sys.argv[1:])}\n\n")
+    run_labelled(model, cfg, runs, Path(args.out), head)
+    return 0
+
+
+def run_labelled(model, cfg: EvalConfig, runs: dict, out: Path, head: str) -> dict:
+    """Run (or resume) labelled configurations into an eval folder: `configurations.json` says what
+    each label is (labels of earlier invocations stay described), summary.md has `head` on top."""
+    result = runner.run(cfg, out, model, configs=runs)
+    known = out / "configurations.json"
+    described = json.loads(known.read_text()) if known.exists() else {}
+    write_text_atomic(known, json.dumps(described | {label: repr(m) for label, m in runs.items()}, indent=2))
     table = runner.summary_markdown(result)
     write_text_atomic(out / "summary.md", head + table)
     print(head + table)
-    return 0
+    return result
 
 
 if __name__ == "__main__":

@@ -80,7 +80,8 @@ def _generate(args) -> int:
 
     prompt = _read_prompt(args)
     _writable(cache_root(), "the cache folder", "set STRUCTKV_CACHE to a writable folder")
-    method = methods.build(args.method, kv=args.kv_budget, struct=args.struct_budget)
+    name = args.method or (methods.CONTEXT_DEFAULT if args.question else "full")  # -q: compressed before the questions
+    method = methods.build(name, kv=args.kv_budget, struct=args.struct_budget)
     model = structkv.load(args.model, dtype=args.dtype, tp=args.tp)
     if _rank():  # under torchrun every rank generates the same tokens; rank 0 prints them
         sys.stdout = open(os.devnull, "w")
@@ -305,7 +306,8 @@ def _serve(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"structkv: warning: serving on {args.host} without authentication; anyone who can reach it can use "
               "the model", file=sys.stderr)
-    settings = Settings(model_name=args.served_name or args.model, method=args.method, kv_budget=args.kv_budget,
+    settings = Settings(model_name=args.served_name or args.model, method=args.method,
+                        context_method=args.context_method, kv_budget=args.kv_budget,
                         struct_budget=args.struct_budget, cache_bytes=args.cache_bytes, max_queue=args.max_queue,
                         max_tokens=args.max_tokens, room=args.room, min_context_tokens=args.min_context_tokens,
                         compile={"auto": "auto", "always": True, "never": False}[args.compile])
@@ -342,7 +344,8 @@ def main(argv=None) -> int:
                    help="instruct models: send the prompt as a user turn through the model's chat template "
                         "(with --question: the document is one user turn, compressed; each question another)")
     g.add_argument("--system", default=None, help="with --chat: a system message first")
-    g.add_argument("--method", default="full", help="compression method: " + ", ".join(_method_names()))
+    g.add_argument("--method", default=None, help="compression method (default: full; with --question, the best "
+                   "query-agnostic one, structkv.methods.CONTEXT_DEFAULT): " + ", ".join(_method_names()))
     _budget_options(g, None, None, "R_KV: entries of the prompt kept per layer, a ratio in (0, 1] (0.1) or a token "
                                    "count (512); the method's default if unset")
     g.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
@@ -431,8 +434,11 @@ def main(argv=None) -> int:
                                    "/metrics (docs/serve.md). Needs: pip install 'structkv[serve]'.")
     s.add_argument("--model", default="gemma-3-270m", help="alias, HF folder, .gguf file or Hub id")
     s.add_argument("--served-name", default=None, help="the model id clients send (default: --model)")
-    s.add_argument("--method", default="structkv", help="default compression method (requests may override): "
-                   + ", ".join(_method_names()))
+    s.add_argument("--method", default="structkv", help="default compression method of whole prompts (requests "
+                   "may override): " + ", ".join(_method_names()))
+    s.add_argument("--context-method", default=None, help="default method of the cached contexts, compressed before "
+                   "the question is known (requests naming a method override it; default: the best query-agnostic "
+                   "one, structkv.methods.CONTEXT_DEFAULT)")
     _budget_options(s, None, None, "default R_KV of requests that give none, a ratio in (0, 1] (0.1) or a token "
                                    "count (512); the method's default if unset")
     s.add_argument("--host", default="127.0.0.1")

@@ -193,3 +193,35 @@ def test_expected_attention_equals_its_formula_with_rotation_matrices(model, cov
         p = logits.softmax(-1) * (v[0, h // G].float().norm(dim=-1) if vnorm else 1)
         want[h // G] += p
     torch.testing.assert_close(scores[0], want, rtol=1e-4, atol=1e-6)
+
+
+def test_structkv_novelty_keeps_the_top_pooled_novel_keys_and_its_prefill_saving(model):
+    """signal="novelty": the skeleton at the fixed pivot is the top of the pivot layer's pooled key
+    novelty (plus the window) and each later layer keeps its own top pooled novelty (beta 0);
+    the prefill still computes fewer token-layers."""
+    from structkv.modules import pooled_saliency
+    from structkv.modules.scores import key_novelty
+
+    ids = _ids(120, 4)
+    tokens, positions, _ = encode_batch(model, [ids])
+    method = methods.get("structkv", signal="novelty", beta=0.0, kv_budget=30, struct_budget=48, pivot=0.5)
+    state = compress(model, tokens, positions, method, room=8)
+    assert state.stats.prefill_fraction < 1.0
+    pivot = state.stats.pivot_layer
+    seen = {}
+    compress_shared(model, tokens, positions, [methods.get("full")], room=0,
+                    observe=lambda v: seen.setdefault(v.layer, v.k) if v.layer == pivot else None)
+    n = len(ids)
+    score = pooled_saliency(key_novelty(seen[pivot], torch.ones(1, n, dtype=torch.bool)), 8, 7, "max").sum(1)[0]
+    best = set(torch.sort(score[: n - 8], descending=True, stable=True).indices[:40].tolist())
+    assert set(state.kept_columns[0].tolist()) == best | set(range(n - 8, n))
+    for i in model.config.full_attention_layers:
+        if i > pivot:
+            assert all(int((h >= 0).sum()) == 30 for h in state.cache.layers[i].pos[0])  # exact budget
+
+
+def test_novelty_needs_a_fixed_pivot():
+    with pytest.raises(ValueError, match="signal 'novelty' needs a fixed pivot"):
+        methods.get("structkv", signal="novelty", pivot="dynamic")
+    with pytest.raises(ValueError, match="signal must be 'window' or 'novelty'"):
+        methods.get("structkv", signal="query")

@@ -27,8 +27,8 @@ QUESTIONS = ["Which key opens door 5?", "What is fact 12?", "Name a colour."]
 
 
 def settings(**kw):
-    base = dict(model_name=NAME, method="snapkv", kv_budget=0.3, compile=False, max_tokens=64, default_max_tokens=8,
-                room=64, min_context_tokens=32, max_queue=8)
+    base = dict(model_name=NAME, method="snapkv", context_method="snapkv", kv_budget=0.3, compile=False, max_tokens=64,
+                default_max_tokens=8, room=64, min_context_tokens=32, max_queue=8)
     return Settings(**{**base, **kw})
 
 
@@ -123,6 +123,31 @@ def test_history_before_the_last_user_turn_is_cached(client):
                                              max_tokens=4, temperature=0).model_extra["structkv"]["context_cache"]
               for q in QUESTIONS[:2]]
     assert status == ["miss", "hit"]
+
+
+def test_cached_contexts_get_the_context_method(chat_model):
+    """A context compressed before its question gets --context-method (default: the best
+    query-agnostic method), a whole prompt --method; a request naming a method gets that one."""
+    from structkv.methods import CONTEXT_DEFAULT
+
+    assert Settings(model_name=NAME).context_method == CONTEXT_DEFAULT
+    with Background(build(chat_model, settings(context_method="keydiff"))) as running:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        question = [{"role": "user", "content": QUESTIONS[0]}]
+        cached = client.chat.completions.create(model=NAME, messages=question, temperature=0, max_tokens=8,
+                                                extra_body={"context": DOC})
+        whole = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": DOC}], max_tokens=4,
+                                               temperature=0)
+        named = client.chat.completions.create(model=NAME, messages=question, temperature=0, max_tokens=4,
+                                               extra_body={"context": DOC + " (named)", "method": "snapkv"})
+    assert cached.model_extra["structkv"]["method"] == "keydiff"
+    assert whole.model_extra["structkv"]["method"] == named.model_extra["structkv"]["method"] == "snapkv"
+    from structkv.serve.engine import _split_at_context
+
+    prefix, rest = _split_at_context(chat_model.tokenizer, question, DOC)
+    state = structkv.prefill(chat_model, prefix, methods.get("keydiff", kv_budget=0.3), room=64)
+    expected = structkv.generate(chat_model, rest, state=state, max_new_tokens=8, temperature=0, compile=False).text
+    assert cached.choices[0].message.content == expected
 
 
 def test_method_and_budget_per_request(client):

@@ -2,6 +2,7 @@
 compression methods use. One object per model (no module-level state)."""
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,6 +40,17 @@ def _waited(x: torch.Tensor) -> torch.Tensor:
     return x if torch.compiler.is_compiling() else funcol.wait_tensor(x)
 
 
+def _leave() -> None:
+    """At exit, leave the group together: a rank that exits while its peer's gloo threads still
+    talk to it aborts the peer ("terminate called without an active exception", SIGABRT), which
+    a loaded machine made frequent."""
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
 def init(tp: int, *, timeout_s: float | None = None) -> TensorParallel:
     """Join (or start, from torchrun's environment) the default process group of `tp` ranks.
 
@@ -56,6 +68,7 @@ def init(tp: int, *, timeout_s: float | None = None) -> TensorParallel:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        atexit.register(_leave)  # we started the group: we end it
     world = dist.get_world_size()
     if world != tp:
         raise ValueError(f"tp={tp} but {world} processes were launched; use torchrun --nproc-per-node {tp}")

@@ -69,7 +69,16 @@ register("structkv_centrality", StructKV, skeleton="centrality")
 register("structkv_no_guide", StructKV, beta=0.0)
 register("structkv_no_decay", StructKV, skeleton="centrality", decay=1.0)
 register("structkv_coupled", StructKV, couple_struct_to_kv=True)  # R_struct = R_KV
+# Compress once, ask many: StructKV's structure (fixed pivot, skeleton, guided retention, decoupled
+# budgets) on a query-free signal, each key's novelty, chosen on the development split
+# (docs/results/README.md, "Compress once, ask many").
+register("structkv_agnostic", StructKV, signal="novelty")
 
+
+# What a context compressed before its questions are known gets by default (`structkv generate -q`,
+# `structkv serve`'s context cache, `structkv.prefill` examples): the best configuration confirmed
+# with the question after compression (docs/results/README.md, "Compress once, ask many").
+CONTEXT_DEFAULT = "structkv_agnostic"
 
 # Names the structural budget had before it was `struct_budget` everywhere.
 OLD_NAMES = {"r_struct": "struct_budget", "tsp_rate": "struct_budget"}

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from ..modules import (
     FixedLayerPropagation,
@@ -222,6 +221,7 @@ class StructKV(WindowScored):
     guide: str = "pivot"
     beta: float = 3.0
     pyramid: float | None = None  # PyramidKV-shaped per-layer KV budgets with this steepness (None: flat)
+    signal: str = "window"  # "novelty": query-free structure and KV scores (StructKVConfig)
     name = "structkv"
     has_struct_budget: ClassVar[bool] = True
 
@@ -240,7 +240,11 @@ class StructKV(WindowScored):
         return StructKVConfig(window=self.window, kernel=self.kernel, pooling=self.pooling, decay=self.decay,
                               pivot=pivot, depth_range=_tuple(self.depth_range), weights=_tuple(self.weights),
                               topk_ratio=self.topk_ratio, confirm=self.confirm, sinks=self.sinks,
-                              skeleton=self.skeleton, guide=self.guide)
+                              skeleton=self.skeleton, guide=self.guide, signal=self.signal)
+
+    def _unresolved(self) -> StructKVConfig:
+        """The settings before a model resolves a fixed pivot to its layer (0 stands for it)."""
+        return self.settings(None if self.pivot == "dynamic" else 0)
 
     def _equal_compute(self, layout, lengths):
         """layer -> tokens kept per row so that token-layers computed equal FastKV's at its
@@ -259,6 +263,11 @@ class StructKV(WindowScored):
             return out
         return keep_at
 
+    def kv_scores(self, view):
+        if self.signal == "novelty":  # query-free: each layer keeps its most novel keys (pooled)
+            return self.heads(pooled_saliency(view.key_novelty(), self.window, self.kernel, self.pooling))
+        return super().kv_scores(view)
+
     def layer_keep(self, layer, layout, lengths, base):
         return base if self.pyramid is None else pyramid_keep(layer, layout, lengths, base, self.pyramid, self.window)
 
@@ -268,7 +277,7 @@ class StructKV(WindowScored):
         return GuidedRetention(self, plan, cache, self.beta) if self.beta else Retention(self, plan, cache)
 
     def prefill_key(self):
-        return ("structkv", self.struct_budget, self.pivot, self.equal_compute, self.settings())
+        return ("structkv", self.struct_budget, self.pivot, self.equal_compute, self._unresolved())
 
     def validate(self):
         super().validate()
@@ -278,7 +287,7 @@ class StructKV(WindowScored):
             raise ValueError(f"structkv: pivot must be 'dynamic', a layer index or a depth fraction, "
                              f"got {self.pivot!r}{hint}")
         try:
-            self.settings()  # the compressor's settings, validated in one place
+            self._unresolved()  # the compressor's settings, validated in one place
         except ValueError as e:
             raise ValueError(f"{self.name}: {e}") from None
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not 0 <= self.beta < math.inf:
@@ -341,13 +350,7 @@ class KeyDiff(Method):
     compresses_kv = True
 
     def kv_scores(self, view):
-        def compute():
-            keys = F.normalize(view.k.float(), dim=-1)  # (B, Hkv, n, D)
-            valid = view.valid[:, None, :, None]  # (B, 1, n, 1)
-            anchor = (keys * valid).sum(2, keepdim=True) / valid.sum(2, keepdim=True).clamp_min(1)  # (B, Hkv, 1, D)
-            return -F.cosine_similarity(keys, anchor, dim=-1)  # (B, Hkv, n)
-        scores = view.scores(("keydiff",), compute)
-        return self.heads(pool_scores(scores, self.kernel, self.pooling))
+        return self.heads(pool_scores(view.key_novelty() - 1, self.kernel, self.pooling))  # -cos, the paper's score
 
 
 @dataclass

@@ -62,7 +62,7 @@ class StructKVCompressor(Propagation):
         layer = view.layer
         if self.window_needed(layer) is None:
             return None
-        saliency = view.window_scores(self.window)
+        saliency = self.signal(view)
         self.tracker.observe(saliency, view.columns, layer=layer)
         if self.detector is not None and not self.detector.wants(layer):
             return None  # before the curve's range: centrality only, no decision to read back
@@ -82,6 +82,10 @@ class StructKVCompressor(Propagation):
         self._remember(own, view.columns, fired)
         scores = self._skeleton_scores(own.sum(1), view.columns, view.valid, rows, view.lengths)
         return self.pruner.select(scores, view.valid, rows, view.lengths)
+
+    def signal(self, view) -> torch.Tensor:
+        """S^(l) before pooling, (B, Hkv, n): the window's attention or the keys' novelty."""
+        return view.window_scores(self.window) if self.config.signal == "window" else view.key_novelty()
 
     def _skeleton_scores(self, own: torch.Tensor, columns: torch.Tensor, valid: torch.Tensor, rows,
                          lengths: list[int]) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Token scores beyond the window saliency of `structkv.ops.window_scores`: H2O's attention
-received from every query and GemFilter's last-query logits. Shapes: B batch, Hq/Hkv query/KV
+received from every query, GemFilter's last-query logits, KeyDiff's key novelty and Expected
+Attention's expected scores. Shapes: B batch, Hq/Hkv query/KV
 heads, n current tokens, D head dim."""
 from __future__ import annotations
 
@@ -25,6 +26,16 @@ def received_attention(q, k, pos, scale: float, block: int = H2O_QUERY_BLOCK) ->
                              scale=scale)
         out[:, :, :e] += part * (e - s)  # window_scores averages over the block's queries
     return out
+
+
+def key_novelty(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """KeyDiff's score, query-free: 1 - cos(k_i, mean of the layer's normalised valid keys), per
+    KV head: (B, Hkv, n) in [0, 2] from k (B, Hkv, n, D) and valid (B, n). A key unlike the
+    others (a number, a name, an out-of-place sentence) scores high."""
+    keys = F.normalize(k.float(), dim=-1)  # (B, Hkv, n, D)
+    mask = valid[:, None, :, None]  # (B, 1, n, 1)
+    anchor = (keys * mask).sum(2, keepdim=True) / mask.sum(2, keepdim=True).clamp_min(1)  # (B, Hkv, 1, D)
+    return 1 - F.cosine_similarity(keys, anchor, dim=-1)
 
 
 def last_query_logits(q, k, valid, kernel: int, reduce=None) -> torch.Tensor:

@@ -23,6 +23,10 @@ class StructKVConfig:
             layer's saliency) or "union" (half each).
         guide: what the compressor offers the KV retention once every row fired: "pivot" (the
             pivot layer's pooled saliency per KV head) or "centrality" (C).
+        signal: the per-layer score S^(l) the structure is built from: "window" (the observation
+            window's attention: the paper; needs the question in the window) or "novelty" (how
+            unlike the layer's average key each key is, `key_novelty`: query-free, for contexts
+            compressed before any question is known).
     """
 
     window: int = 8
@@ -37,6 +41,7 @@ class StructKVConfig:
     sinks: int = 4
     skeleton: str = "centrality"
     guide: str = "pivot"
+    signal: str = "window"
 
     def __post_init__(self):
         for name in ("window", "kernel", "sinks"):
@@ -52,6 +57,10 @@ class StructKVConfig:
             raise ValueError(f"pivot must be a layer index >= 0 or None (detected), got {self.pivot!r}")
         if self.skeleton not in ("centrality", "pivot", "union"):
             raise ValueError(f"skeleton must be 'centrality', 'pivot' or 'union', got {self.skeleton!r}")
+        if self.signal not in ("window", "novelty"):
+            raise ValueError(f"signal must be 'window' or 'novelty', got {self.signal!r}")
+        if self.signal == "novelty" and self.pivot is None:
+            raise ValueError("signal 'novelty' needs a fixed pivot: the detector reads attention statistics")
         if self.guide not in ("pivot", "centrality"):
             raise ValueError(f"guide must be 'pivot' or 'centrality', got {self.guide!r}")
         if isinstance(self.confirm, bool) or not isinstance(self.confirm, int) or self.confirm < 1:

@@ -13,7 +13,7 @@ import torch
 
 from ..ops import window_scores
 from ..timing import NO_TIMER, Timer
-from .scores import last_query_logits, received_attention
+from .scores import key_novelty, last_query_logits, received_attention
 
 
 @dataclass
@@ -67,6 +67,10 @@ class LayerView:
             return window_scores(self.q[:, :, n - window:], k, self.positions[:, n - window:].contiguous(),
                                  self.positions, scale=self.scale)
         return self.scores(("window_q", window), compute)
+
+    def key_novelty(self) -> torch.Tensor:
+        """(B, Hkv, n): how unlike the layer's average key each key is (KeyDiff; query-free)."""
+        return self.scores(("novelty",), lambda: key_novelty(self.k, self.valid))
 
     def received_attention(self) -> torch.Tensor:
         """(B, Hkv, n): attention received from every query (H2O)."""

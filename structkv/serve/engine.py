@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from ..compress import prefill
 from ..generation import generate
-from ..methods import Budget, build, names
+from ..methods import CONTEXT_DEFAULT, Budget, build, names
 from ..text import chat
 from ..text.detokenize import StopText
 from .context_cache import ContextCache, context_key
@@ -39,7 +39,8 @@ class Settings:
     """What `structkv serve` was started with (see its --help)."""
 
     model_name: str
-    method: str = "structkv"
+    method: str = "structkv"  # whole prompts (the question is in what is compressed)
+    context_method: str | None = None  # cached contexts (compressed before the question); None: CONTEXT_DEFAULT
     kv_budget: float | int | str | None = None  # a `Budget` (ratio or token count), parsed once here
     struct_budget: float | int | str | None = None
     cache_bytes: int = 1 << 30
@@ -54,7 +55,9 @@ class Settings:
         for name in ("kv_budget", "struct_budget"):
             if getattr(self, name) is not None:
                 setattr(self, name, Budget.parse(getattr(self, name), name).value)
-        build(self.method, kv=self.kv_budget, struct=self.struct_budget)  # a bad default fails at start-up
+        self.context_method = self.context_method or CONTEXT_DEFAULT
+        for name in (self.method, self.context_method):
+            build(name, kv=self.kv_budget, struct=self.struct_budget)  # a bad default fails at start-up
 
 
 @dataclass
@@ -99,9 +102,10 @@ class Engine:
         self._thread.start()
 
     # ------------------------------------------------------------------ event loop side
-    def method_for(self, req: Request):
-        """The request's method with its budgets (the server's defaults where it gives none)."""
-        name = req.method or self.settings.method
+    def method_for(self, req: Request, context: bool = False):
+        """The request's method with its budgets (the server's defaults where it gives none: the
+        context method for a context compressed before its question, `context`)."""
+        name = req.method or (self.settings.context_method if context else self.settings.method)
         if name not in names():
             raise bad("method", f"unknown method {name!r}; this server has: {', '.join(names())}",
                       code="unknown_method")
@@ -119,12 +123,13 @@ class Engine:
         if req.model != self.settings.model_name:
             raise APIError(404, f"model {req.model!r} is not served here; this server has {self.settings.model_name!r}"
                            " (GET /v1/models)", param="model", code="model_not_found")
-        method, key = self.method_for(req)
+        self.method_for(req)  # an unknown method or a bad budget is refused before the tokenizing
         max_new = req.max_tokens or min(self.settings.default_max_tokens, self.settings.max_tokens)
         if max_new > self.settings.max_tokens:
             raise bad("max_tokens", f"max_tokens {max_new} is over this server's limit of {self.settings.max_tokens} "
                       "new tokens per request (structkv serve --max-tokens)")
         prefix, rest = self._split(req)
+        method, key = self.method_for(req, context=prefix is not None)
         limit = self.model.config.max_position_embeddings
         total = len(prefix or ()) + len(rest)
         if total + max_new - 1 > limit:

@@ -1,0 +1,154 @@
+"""kvpress's own presses on exactly the prompts of a structkv eval folder, query-agnostic.
+
+The peer check of issue 29: the same model (transformers' own, from the same GGUF), the same
+token ids (the folder's prompts rebuilt from its config.json with structkv's tokenizer), the
+context compressed once by a press as kvpress's pipeline does it (`press(model)` around the
+context's prefill, then its `generate_answer` for the question, greedy, stopping at EOS), and
+scored with structkv's metric. The result is a folder with the source's config.json and a
+predictions.jsonl whose labels are `kvpress:<press>@<R_KV>`, so benchmarks/paired_ruler.py and
+common_subset.py pair it with the source folder's runs prompt by prompt.
+
+kvpress pins transformers < 5.3, structkv's tests use 5.x above it, so it runs in its own venv
+(the optional `peers` extra names the packages; never a test dependency):
+
+    python -m venv /tmp/peers && /tmp/peers/bin/pip install torch==2.13.0 'structkv[peers]'
+    /tmp/peers/bin/python benchmarks/kvpress_peer.py docs/results/ruler_2k_question_after_smollm2 \
+        --presses kvzip,snapkv,expected_attention,keydiff --kv-budget 0.1,0.2
+
+kvpress supports Llama-family models (SmolLM2); it refuses KVzip on Gemma 3 and its Expected
+Attention fails on Gemma 3's rotary embedding (docs/results/README.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+PRESSES = ("kvzip", "snapkv", "expected_attention", "keydiff")
+
+
+def make_press(name: str, kv_budget: float):
+    """kvpress's press keeping `kv_budget` of the entries (its compression_ratio is what it drops)."""
+    import kvpress
+
+    cls = {"kvzip": kvpress.KVzipPress, "snapkv": kvpress.SnapKVPress,
+           "expected_attention": kvpress.ExpectedAttentionPress, "keydiff": kvpress.KeyDiffPress}[name]
+    return cls(compression_ratio=1.0 - kv_budget)
+
+
+def gguf_of(name: str) -> Path:
+    """The GGUF file structkv loads for `name` (the smollm2 alias or a .gguf path)."""
+    from structkv.fetch import fetch
+    from structkv.models.loading import SMOLLM2_GGUF
+
+    if name in ("smollm2", "smollm2-135m-instruct"):
+        return Path(fetch(SMOLLM2_GGUF)[0])
+    if name.endswith(".gguf"):
+        return Path(name)
+    raise SystemExit(f"{name}: this script loads transformers' model from a GGUF (the smollm2 alias or a .gguf path); "
+                     "kvpress supports Llama-family models")
+
+
+def hf_model(gguf: Path, eos_ids):
+    """transformers' model from the GGUF structkv loads, stopping at the same end tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = list(eos_ids)
+    # KVzipPress tokenizes its repeat prompt with AutoTokenizer(model.config.name_or_path): a folder
+    # holding the GGUF's tokenizer as transformers reads it
+    folder = Path(tempfile.mkdtemp(prefix="kvpress-tokenizer-"))
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    model.config.name_or_path = str(folder)
+    return model
+
+
+class _Text:
+    """The decoding kvpress's `generate_answer` asks of a tokenizer, by structkv's tokenizer (the
+    same text for the same ids as structkv's own runs)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids, skip_special_tokens=True):
+        eos = set(self.tokenizer.eos_ids)
+        return self.tokenizer.decode([int(i) for i in ids if not (skip_special_tokens and int(i) in eos)])
+
+
+@torch.inference_mode()
+def answer(model, text: _Text, press, context: list[int], question: list[int], max_new_tokens: int):
+    """kvpress's compress-once answer to one question (its pipeline's prefill under the press, then
+    its `generate_answer`), and the K+V bytes the press kept."""
+    from types import SimpleNamespace
+
+    from kvpress.pipeline import KVPressTextGenerationPipeline
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with press(model):
+        model.model(input_ids=torch.tensor([context]), past_key_values=cache)
+    kept = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in cache.layers)
+    pipe = SimpleNamespace(model=model, tokenizer=text)  # what generate_answer reads of its pipeline
+    out = KVPressTextGenerationPipeline.generate_answer(pipe, question_ids=torch.tensor([question]), cache=cache,
+                                                        context_length=len(context), max_new_tokens=max_new_tokens)
+    return out, kept
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("source", help="a structkv eval folder made with --question-after-compression")
+    ap.add_argument("--presses", default=",".join(PRESSES))
+    ap.add_argument("--kv-budget", default="0.1,0.2")
+    ap.add_argument("--out", help="default: SOURCE_kvpress")
+    ap.add_argument("--samples", type=int, help="per task, fewer than the source's (a partial run; resumable)")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import kvpress  # noqa: F401  (registers the pipeline)
+
+    import structkv
+    from structkv.harness.eval.runner import EvalConfig, _read_predictions, build_samples, sample_key, score
+
+    source = Path(args.source)
+    stored = json.loads((source / "config.json").read_text())["config"]
+    if not stored.get("question_after"):
+        raise SystemExit(f"{source} was not made with --question-after-compression: kvpress compresses the context "
+                         "without the question; make the folder in that mode")
+    cfg = EvalConfig(**{k: v for k, v in stored.items() if k in EvalConfig.__dataclass_fields__})
+    cfg.samples = args.samples or cfg.samples
+    ours = structkv.load(cfg.model)
+    model = hf_model(gguf_of(cfg.model), ours.config.eos_token_ids or ours.tokenizer.eos_ids)
+    text = _Text(ours.tokenizer)
+    out = Path(args.out or f"{source}_kvpress")
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source / "config.json", out / "config.json")  # the same identity settings: the folders pair
+    done = _read_predictions(out / "predictions.jsonl") if (out / "predictions.jsonl").exists() else {}
+    runs = [(p, float(b)) for p in args.presses.split(",") for b in args.kv_budget.split(",")]
+    with (out / "predictions.jsonl").open("a") as sink:
+        for sample in build_samples(cfg, ours.tokenizer):
+            for name, budget in runs:
+                label = f"kvpress:{name}@{budget:g}"
+                key = sample_key(label, sample)
+                if key in done:
+                    continue
+                cap = sample["max_new_tokens"] if cfg.max_new_tokens is None else min(cfg.max_new_tokens,
+                                                                                     sample["max_new_tokens"])
+                said, kept = answer(model, text, make_press(name, budget), sample["input_ids"], sample["question_ids"],
+                                    cap)
+                record = {"key": key, "label": label, "method": f"kvpress:{name}", "kv_budget": budget,
+                          "task": sample["task"], "index": sample["index"], "length_budget": sample["length_budget"],
+                          "prompt_tokens": len(sample["input_ids"]) + len(sample["question_ids"]), "prediction": said,
+                          "outputs": sample["outputs"], "score": score(sample, said), "kv_bytes_kept": kept}
+                sink.write(json.dumps(record) + "\n")
+                sink.flush()
+                print(f"{label} {sample['task']} #{sample['index']}: {record['score']:.0f}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
