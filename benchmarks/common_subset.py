@@ -36,9 +36,10 @@ def table(folders: list[Path], labels: list[str] | None = None) -> str:
                for nt in tasks]
         kept = [r.get("kv_bytes_kept") for r in rows]
         mib = "-" if None in kept else f"{sum(kept) / len(kept) / 2**20:.2f}"
-        frac = sum(r["prefill_fraction"] for r in rows) / len(rows)
+        fracs = [r.get("prefill_fraction") for r in rows]  # a peer's folder (kvpress) has none
+        frac = "-" if None in fracs else f"{sum(fracs) / len(fracs):.2f}"
         lines.append(f"| {label} | {tasks[0][0]} | " + " | ".join(f"{v:.1f}" for v in per)
-                     + f" | {sum(per) / len(per):.1f} | {len(rows)} | {frac:.2f} | {mib} |")
+                     + f" | {sum(per) / len(per):.1f} | {len(rows)} | {frac} | {mib} |")
     return "\n".join(lines) + "\n"
 
 
