@@ -250,7 +250,7 @@ def _compress(model, tokens, positions, methods, room, compile, timer, observe, 
     rows = lengths.tolist()  # the one read-back before the layers: every later size follows from it
     with ledger.timer.phase("plan"):
         targets = [plan_method(model, m, lengths, tokens.shape[1], room) for m in methods]
-    lanes = _lanes(targets, tokens)
+    lanes = _lanes(targets)
     block = layer_block(compile, model.config)
     pending = [(0, Stream.start(model, tokens, positions, rows, probe), lanes, observe)]
     context = lengths - probe  # what the states and their stats speak of
@@ -259,7 +259,7 @@ def _compress(model, tokens, positions, methods, room, compile, timer, observe, 
     return _states(model, targets, lanes, context, clock() - t0, ledger)
 
 
-def _lanes(targets: list[_Target], tokens) -> list[_Lane]:
+def _lanes(targets: list[_Target]) -> list[_Lane]:
     groups: dict[tuple, list[_Target]] = {}
     for t in targets:
         groups.setdefault(t.method.prefill_key(), []).append(t)
