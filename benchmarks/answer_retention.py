@@ -13,6 +13,7 @@ split before running the eval on it and on the confirmation split.
 from __future__ import annotations
 
 import argparse
+import ast
 import statistics
 import sys
 
@@ -88,7 +89,6 @@ def main(argv=None) -> int:
     for item in args.option:
         label, _, kv = item.partition(":")
         key, _, value = kv.partition("=")
-        import ast
         options.setdefault(label, {})[key] = ast.literal_eval(value)
     labels = args.methods.split(",")
     methods = [registry.build(label.split("#")[0], kv=args.kv_budget, struct=args.struct_budget,

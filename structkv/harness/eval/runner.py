@@ -479,8 +479,7 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
                     states = _compress_all(model, sample["input_ids"], [t[3] for t in todo],
                                            _cap(cfg, sample) + room.get(context, 0), cfg.compile)
                     last = (context, labels, states)
-                results = _answer(model, last[2] if question is not None else states, _cap(cfg, sample), cfg.compile,
-                                  question)
+                results = _answer(model, last[2], _cap(cfg, sample), cfg.compile, question)  # made now or reused
                 for (label, name, budget, _), result in zip(todo, results):
                     s = result.stats
                     file(label, name, budget, sample, result, graphs, decode_tokens_per_s=None, shared=True,
