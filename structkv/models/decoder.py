@@ -216,6 +216,8 @@ class Decoder(nn.Module):
             self.register_buffer(f"inv_freq_{t}", torch.empty(cfg.head_dim // 2), persistent=False)
         self.tokenizer = None  # set by structkv.models.load
         self.int8_head = None  # set by use_int8_head()
+        self.weights = "fp32"  # the projections' storage: set by quantize()
+        self.source_types: dict[str, str] = {}  # HF name -> GGUF storage type ("Q4_K"); {} for float files
         self.tp = None  # a structkv.distributed.TensorParallel when this is one rank's shard
         self.full_config = cfg  # the whole model's config (`config` holds a shard's local heads)
 
@@ -237,16 +239,30 @@ class Decoder(nn.Module):
         memory. Returns the model."""
         from .int8_head import Int8BlockHead
 
+        if self.weights != "fp32":
+            raise ValueError(f"the exact int8 head needs the float head; these weights are {self.weights}")
         self.int8_head = Int8BlockHead.from_weight(self.lm_head.weight)
+        return self
+
+    def quantize(self, weights: str) -> "Decoder":
+        """Store the projections and the LM head as `weights` ("fp32", "bf16", "int8", "int4"):
+        see `structkv.models.quantized`. In place; returns the model."""
+        from .quantized import quantize_model
+
+        if self.weights != "fp32":
+            raise ValueError(f"this model's weights are already {self.weights}; load it again to change them")
+        if self.int8_head is not None and weights != "fp32":
+            raise ValueError("the exact int8 head and quantized weights do not stack: use one of them")
+        quantize_model(self, weights)
         return self
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     # ------------------------------------------------------------------ pieces
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -267,7 +283,7 @@ class Decoder(nn.Module):
         h = self.model.norm(h)
         if self.int8_head is not None and h.dim() == 2 and h.shape[0] == 1:  # decode of one row
             return self.int8_head.logits(h)
-        if h.dim() == 2 and h.device.type == "cpu" and 4 < h.shape[0] < 16:
+        if self.weights == "fp32" and h.dim() == 2 and h.device.type == "cpu" and 4 < h.shape[0] < 16:
             return torch.mm(self.lm_head.weight, h.t()).t().float()  # (V, E) @ (E, B) -> (B, V)
         return self.lm_head(h).float()
 

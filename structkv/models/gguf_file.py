@@ -146,9 +146,8 @@ def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_state_dict(reader, cfg: ModelConfig, dtype: torch.dtype, arch: str = "gemma3") -> dict[str, torch.Tensor]:
-    """Dequantize every tensor to `dtype` under its HF name; unknown GGUF names raise."""
-    gguf = _import_gguf()
+def hf_names(cfg: ModelConfig, arch: str) -> dict[str, str]:
+    """GGUF tensor name -> HF name for every layer of `cfg`."""
     names = GEMMA3_NAMES if arch == "gemma3" else LLAMA_NAMES
     name_map = {}
     for src, dst in names.items():
@@ -157,6 +156,20 @@ def gguf_state_dict(reader, cfg: ModelConfig, dtype: torch.dtype, arch: str = "g
                 name_map[src.format(i=i)] = dst.format(i=i)
         else:
             name_map[src] = dst
+    return name_map
+
+
+def tensor_types(reader, cfg: ModelConfig, arch: str) -> dict[str, str]:
+    """HF name -> the file's storage type of that tensor ("Q4_K", "Q8_0", "F32", ...): what
+    `weights="int4"` keeps as the file has it (structkv.models.quantized)."""
+    name_map = hf_names(cfg, arch)
+    return {name_map[t.name]: t.tensor_type.name for t in reader.tensors if t.name in name_map}
+
+
+def gguf_state_dict(reader, cfg: ModelConfig, dtype: torch.dtype, arch: str = "gemma3") -> dict[str, torch.Tensor]:
+    """Dequantize every tensor to `dtype` under its HF name; unknown GGUF names raise."""
+    gguf = _import_gguf()
+    name_map = hf_names(cfg, arch)
     unexpected = [t.name for t in reader.tensors if t.name not in name_map]
     if "rope_freqs.weight" in unexpected:
         raise ValueError("this GGUF stores llama3-style RoPE frequency factors (rope_freqs), not supported yet; "

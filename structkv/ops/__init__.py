@@ -4,13 +4,16 @@
 - `compact_kv`: in-place KV-cache compaction from selected indices (CPU reference, Triton on CUDA);
 - `causal_attention`, `sliding_window_attention`: the prompt pass's blockwise self-attention,
   opaque to a compiled prefill;
-- `int8_head_logits`: one row's logits from an exact int8 copy of the LM head.
+- `int8_head_logits`: one row's logits from an exact int8 copy of the LM head;
+- `int8_linear`, `int4_linear`: products with weight-only quantized weights (packed CPU kernels).
 Triton is imported lazily, so the package works where it is absent.
 """
 from .attention import CAUSAL_BLOCK, causal_attention, sliding_window_attention, visible
 from .compaction import compact_kv, compact_kv_reference
 from .int8_head import int8_head_logits
+from .quantized_linear import int4_linear, int8_linear
 from .saliency import window_scores, window_scores_naive, window_scores_reference
 
-__all__ = ["CAUSAL_BLOCK", "causal_attention", "compact_kv", "compact_kv_reference", "int8_head_logits",
-           "sliding_window_attention", "visible", "window_scores", "window_scores_naive", "window_scores_reference"]
+__all__ = ["CAUSAL_BLOCK", "causal_attention", "compact_kv", "compact_kv_reference", "int4_linear", "int8_head_logits",
+           "int8_linear", "sliding_window_attention", "visible", "window_scores", "window_scores_naive",
+           "window_scores_reference"]

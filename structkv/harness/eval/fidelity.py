@@ -115,7 +115,7 @@ def run(cfg, out, model=None, *, progress: bool = True) -> dict:
     """Run (or resume) the fidelity evaluation of `cfg` (an EvalConfig, benchmark "fidelity")."""
     if model is None:
         from ...models import load
-        model = load(cfg.model)
+        model = load(cfg.model, weights=cfg.weights)
     cfg.validate(model.config)
     out = Path(out)
     done = _open_output(cfg, out, name="records.jsonl")

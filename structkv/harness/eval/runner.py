@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ... import methods as methods_registry
 from ...files import write_text_atomic
+from ...models.quantized import check_weights
 from ...modules.budget import Budget
 from .. import environment, mean, median
 from . import metrics
@@ -25,7 +26,7 @@ BENCHMARKS = ("ruler", "longbench", "niah", "fidelity")
 # Settings that define what a result means: a folder cannot mix runs that differ in these.
 DEFAULT_SAMPLES = 10  # generated samples per task (RULER, niah) when not given
 IDENTITY = ("benchmark", "model", "seed", "struct_budget", "max_new_tokens", "window", "longbench_full", "chat",
-            "chat_every_task", "question_after", "continuation")
+            "chat_every_task", "question_after", "continuation", "weights")
 
 
 @dataclass
@@ -61,10 +62,14 @@ class EvalConfig:
     question_after: bool = False
     # fidelity: tokens of the full cache's greedy continuation teacher-forced through each method
     continuation: int = 64
+    # How the projections are stored and multiplied (structkv.models.quantized): "fp32", "bf16",
+    # "int8", "int4"
+    weights: str = "fp32"
 
     def __post_init__(self):  # budgets parsed once, where the config is made ("0.1" a ratio, "512" a count)
         self.kv_budgets = [Budget.parse(b, "kv_budget").value for b in self.kv_budgets]
         self.struct_budget = Budget.parse(self.struct_budget, "struct_budget").value
+        check_weights(self.weights)
 
     def validate(self, model_config=None) -> None:
         if self.benchmark not in BENCHMARKS:
@@ -421,7 +426,7 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
     """
     if model is None:
         from ...models import load
-        model = load(cfg.model)
+        model = load(cfg.model, weights=cfg.weights)
     cfg.validate(model.config)
     if model.tokenizer is None:
         raise ValueError(f"model {cfg.model!r} has no tokenizer; evaluation needs one (tokenizer.json in its folder)")
