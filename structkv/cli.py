@@ -142,6 +142,14 @@ TP_HELP = ("tensor-parallel degree: launch with `torchrun --nproc-per-node N -m 
 WEIGHTS_HELP = ("how the projections and the LM head are stored and multiplied: fp32, bf16, int8 (per-row scales) "
                 "or int4 (groups of 32; a GGUF's 4-bit tensors as the file has them, its 5-8 bit ones int8); "
                 "int8 and int4 run on CPU (docs/benchmarks.md, 'Quantized weights')")
+
+
+def _weights_option(parser) -> None:
+    """`--weights`, the same in every command that loads a model (structkv.models.quantized.WEIGHTS;
+    listed here so building the parser does not import torch)."""
+    parser.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "int8", "int4"], help=WEIGHTS_HELP)
+
+
 INT8_HELP = ("decode from an exact int8 copy of the LM head (GGUF Q8_0 heads, e.g. gemma-3-270m): same logits, "
              "fewer bytes per token; fails if the head is not int8 blocks")
 
@@ -352,7 +360,7 @@ def main(argv=None) -> int:
     _budget_options(g, None, None, "R_KV: entries of the prompt kept per layer, a ratio in (0, 1] (0.1) or a token "
                                    "count (512); the method's default if unset")
     g.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
-    g.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "int8", "int4"], help=WEIGHTS_HELP)
+    _weights_option(g)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=None)
@@ -399,7 +407,7 @@ def main(argv=None) -> int:
     e.add_argument("--data", default=None, help=DATA_HELP)
     e.add_argument("--out", required=True, help="result folder; rerunning with the same folder resumes")
     e.add_argument("--threads", type=_positive_int, default=None)
-    e.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "int8", "int4"], help=WEIGHTS_HELP)
+    _weights_option(e)
     e.add_argument("--eager", action="store_true")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
     e.add_argument("--no-write", action="store_true",
@@ -425,7 +433,7 @@ def main(argv=None) -> int:
     b.add_argument("--warmup", type=int, default=1)
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     b.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
-    b.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "int8", "int4"], help=WEIGHTS_HELP)
+    _weights_option(b)
     b.add_argument("--device", default="cpu")
     b.add_argument("--eval", default=None, help="an eval result folder: adds the accuracy Pareto plot")
     b.add_argument("--seed", type=int, default=0)
@@ -459,7 +467,7 @@ def main(argv=None) -> int:
     s.add_argument("--min-context-tokens", type=_positive_int, default=256,
                    help="a conversation's history is compressed and cached only from this length")
     s.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
-    s.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "int8", "int4"], help=WEIGHTS_HELP)
+    _weights_option(s)
     s.add_argument("--compile", choices=["auto", "always", "never"], default="auto")
     s.add_argument("--threads", type=_positive_int, default=None)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

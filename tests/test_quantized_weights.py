@@ -107,6 +107,7 @@ def test_generation_and_compression_run_on_quantized_weights(tiny_dir, weights, 
 
 def test_quantize_once_and_not_with_the_int8_head(tiny_dir):
     model = structkv.load(tiny_dir("llama"), weights="int8")
+    assert model.quantize("int8") is model and model.weights == "int8"  # a model loaded with them: as it is
     with pytest.raises(ValueError, match="already int8"):
         model.quantize("int4")
     with pytest.raises(ValueError, match="needs the float head"):

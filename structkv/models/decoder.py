@@ -246,9 +246,12 @@ class Decoder(nn.Module):
 
     def quantize(self, weights: str) -> "Decoder":
         """Store the projections and the LM head as `weights` ("fp32", "bf16", "int8", "int4"):
-        see `structkv.models.quantized`. In place; returns the model."""
+        see `structkv.models.quantized`. In place; returns the model (unchanged when its weights
+        are already `weights`, so a caller may pass a model loaded with them)."""
         from .quantized import quantize_model
 
+        if weights == self.weights:
+            return self
         if self.weights != "fp32":
             raise ValueError(f"this model's weights are already {self.weights}; load it again to change them")
         if self.int8_head is not None and weights != "fp32":

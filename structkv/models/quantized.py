@@ -101,8 +101,7 @@ class QuantizedLinear(nn.Module):
     def dequantize(self) -> torch.Tensor:
         """The float32 weight (N, K) these codes stand for, as the kernel computes with it (tests)."""
         if self.kind != "int4":
-            return self.rows(torch.arange(self.out_features, device=self.scales.device if self.kind == "int8"
-                                          else self.weight.device))
+            return self.rows(torch.arange(self.out_features, device=next(self.buffers()).device))
         return int4_weight(self.packed, self.scale_zero, INT4_GROUP, self.in_features).float()
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
