@@ -11,7 +11,8 @@ each task, and reports the difference of the task-averaged scores (x100) with it
 Compares at every R_KV the folder holds (`structkv@0.1` against `fastkv@0.1`, ...); a folder with
 several lengths is averaged over its (length, task) pairs. Runs at different R_KV (an equal-kept-bytes
 run kept in its own folder) pair by exact labels, the baselines read from `--against-folder`, whose
-settings must match (the runner's identity fields):
+settings must match (the runner's identity fields; `weights` and `kv_dtype` may differ: then the
+same prompts through a model stored two ways are what is compared):
 
     python benchmarks/paired_ruler.py docs/results/longbench_8k_equal_kept --method structkv@0.16 \
         --against pyramidkv@0.1,snapkv@0.1 --against-folder docs/results/longbench_8k
@@ -25,6 +26,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from structkv.harness.eval.folders import runs, settings_clash
+
+# Identity settings that may differ between the two folders: how the model's weights and KV
+# entries are stored (the prompts are the same; the difference is what is measured).
+STORAGE = ("weights", "kv_dtype")
 
 
 def scores(folder: Path) -> dict[str, dict[tuple, float]]:
@@ -68,9 +73,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     other_folder = args.against_folder or args.folder
     try:
-        if other_folder != args.folder and (clash := settings_clash(args.folder, other_folder)):
+        clash = settings_clash(args.folder, other_folder) if other_folder != args.folder else {}
+        storage = {k: clash.pop(k) for k in STORAGE if k in clash}
+        if clash:
             raise ValueError(f"{args.folder} and {other_folder} were run with other settings {clash}; "
                              "their prompts do not pair")
+        if storage:  # the same prompts through a model stored another way: what is being compared
+            print(f"comparing storage: {storage} (this folder, the other)")
         by = scores(args.folder)
         other = by if other_folder == args.folder else scores(other_folder)
     except ValueError as e:

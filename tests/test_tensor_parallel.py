@@ -25,7 +25,8 @@ def folders(tmp_path_factory):
 
 def test_tp2_equals_one_process_for_every_method(folders):
     """Batches with padding; the first model also decodes compiled with the all-reduces in its
-    graph (one prefill + one decode graph per rank, as in one process)."""
+    graph (one prefill + one decode graph per rank, as in one process), and with int8 / int4 KV
+    entries (each rank its heads' planes of the single-process cache, the same tokens)."""
     assert check.run(folders, world=2, timeout_s=300, compile_decode=True) == []
 
 

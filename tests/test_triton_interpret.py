@@ -58,11 +58,12 @@ def test_window_scores_triton_without_entropy():
     assert torch.allclose(sal, window_scores_naive(q, k, q_pos, k_pos, 0.2)[0], atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8, torch.uint8, torch.bfloat16])
 def test_compact_kv_triton_matches_reference(dtype):
+    """Float entries, and the planes of quantized ones (codes, bfloat16 scale tables)."""
     B, H, N, D, C = 2, 2, 50, 48, 40
     g = torch.Generator().manual_seed(0)
-    k, v = torch.randn(B, H, N, D, generator=g).to(dtype), torch.randn(B, H, N, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, H, N, D, generator=g) * 30).to(dtype), (torch.randn(B, H, N, D, generator=g) * 30).to(dtype)
     k_pos = torch.arange(N).expand(B, -1).contiguous()
     idx = torch.stack([torch.randperm(N, generator=g)[:35].sort().values for _ in range(B * H)]).view(B, H, 35)
     idx[1, 0, 30:] = -1
@@ -74,3 +75,28 @@ def test_compact_kv_triton_matches_reference(dtype):
         outs.append(bufs)
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+QUANT_CASES = [  # B, Hq, Hkv, T, D, per-KV-head mask
+    (1, 4, 2, 37, 16, False),
+    (2, 2, 2, 70, 64, True),
+    (2, 8, 1, 33, 256, False),  # Gemma 3 270M's head: one KV head, 256 dims
+]
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("case", QUANT_CASES)
+def test_quantized_decode_attention_triton_matches_reference(case, kind):
+    from structkv.ops.kv_quant import quantize_kv, quantized_decode_attention_reference
+
+    B, Hq, Hkv, T, D, per_head = case
+    g = torch.Generator().manual_seed(T)
+    q = torch.randn(B, Hq, 1, D, generator=g)
+    k, v = list(quantize_kv(torch.randn(B, Hkv, T, D, generator=g), kind)), list(
+        quantize_kv(torch.randn(B, Hkv, T, D, generator=g), kind))
+    mask = torch.rand(B, Hkv if per_head else 1, 1, T, generator=g) > 0.4
+    mask[0, ..., :] = False  # a row that sees a single entry
+    mask[0, ..., 3] = True
+    want = quantized_decode_attention_reference(q, k, v, mask, D ** -0.5, kind)
+    got = triton_kernels.quantized_decode_attention_triton(q, k, v, mask, D ** -0.5, kind)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

@@ -53,6 +53,39 @@ def compare_folder(folder: str, world: int, compile_decode: bool = False) -> lis
             bad.append(f"{folder} {name}: greedy tokens differ: {ta} vs {tb}")
     if compile_decode:
         bad += _compiled_decode(whole, shard, rows, folder)
+        bad += _quantized_kv(whole, shard, rows, tokens, positions, folder)
+    return bad
+
+
+def _quantized_kv(whole, shard, rows, tokens, positions, folder) -> list[str]:
+    """int8 / int4 KV entries under TP: each rank holds its heads' entries of the single-process
+    cache (scales per token and head: nothing crosses ranks; a code may differ by one step where
+    the sharded projection's last bit lands a value on the other side of a rounding boundary),
+    and decodes the same tokens."""
+    import structkv
+    from structkv import methods
+    from structkv.compress import compress
+
+    bad = []
+    for kv_dtype in ("int8", "int4"):
+        whole.kv_dtype = shard.kv_dtype = kv_dtype
+        try:
+            for name in ("full", "structkv"):
+                method = methods.build(name, kv=0.3, struct=0.5)
+                a, b = (compress(m, tokens, positions, method, room=16) for m in (whole, shard))
+                for i, (la, lb) in enumerate(zip(a.cache.layers, b.cache.layers)):
+                    heads = shard.tp.heads(lb.pos.shape[1])
+                    step = max(float(la.k_scale.max()), float(la.v_scale.max()))
+                    far = max(float((x[:, heads] - y).abs().max()) for x, y in zip(la.read(), lb.read()))
+                    if not torch.equal(la.pos[:, heads], lb.pos) or far > 1.01 * step + ATOL:
+                        bad.append(f"{folder} {name} {kv_dtype}: layer {i} quantized entries differ on rank "
+                                   f"{shard.tp.rank} by {far:.2e} (one step: {step:.2e})")
+                kw = dict(method=method, max_new_tokens=6, stop_at_eos=False, compile=False)
+                ta, tb = (structkv.generate(m, rows, **kw).token_ids for m in (whole, shard))
+                if ta != tb:
+                    bad.append(f"{folder} {name} {kv_dtype}: greedy tokens differ under TP: {ta} vs {tb}")
+        finally:
+            whole.kv_dtype = shard.kv_dtype = None
     return bad
 
 

@@ -48,6 +48,7 @@ class BenchConfig:
     seed: int = 0
     int8_head: bool = False  # decode from the exact int8 copy of the LM head (GGUF Q8_0 heads)
     weights: str = "fp32"  # projections stored as fp32, bf16, int8 or int4 (structkv.models.quantized)
+    kv_dtype: str | None = None  # KV entries: the model's floats, int8 or int4 (structkv.ops.kv_quant)
     tp: int | None = None  # tensor-parallel degree, under torchrun (each rank reports its own KV bytes)
 
     def __post_init__(self):  # budgets parsed once, where the config is made
@@ -309,6 +310,7 @@ def run(cfg: BenchConfig, out: str | Path | None = None, model=None, progress=Tr
     hf = hf_twin(model) if cfg.hf else None  # built from the float weights, before quantize()
     twin_diff = check_twin(model, hf) if hf is not None else None
     model.quantize(cfg.weights)
+    model.kv_dtype = cfg.kv_dtype
     if cfg.int8_head:
         model.use_int8_head()
     rows = []
@@ -331,7 +333,8 @@ def run(cfg: BenchConfig, out: str | Path | None = None, model=None, progress=Tr
                       f"{r['decode_tokens_per_s']['median']:.1f} tok/s", file=sys.stderr, flush=True)
     result = {"config": asdict(cfg), "environment": environment(), "device": _device_name(model.device),
               "model": {"name": cfg.model, "type": model.config.model_type, "layers": model.config.num_layers,
-                        "dtype": str(model.dtype), "weights": model.weights},
+                        "dtype": str(model.dtype), "weights": model.weights,
+                        "kv_dtype": model.kv_dtype},
               "transformers_twin_rel_logit_diff": twin_diff,
               "rows": rows, "ratios": ratios(rows), "scaling": scaling(rows)}
     if out is not None:

@@ -19,7 +19,7 @@ from ..modules import (
 from ..modules.reconstruction import DEFAULT_PROMPT
 from ..modules.retention import ReconstructionRetention
 from ..modules.scores import expected_attention
-from ..modules.structkv_config import StructKVConfig
+from ..modules.structkv_config import STRUCTURE, StructKVConfig, Structure
 from .base import Method, resolve_layer
 
 
@@ -190,38 +190,29 @@ class FastKV(WindowScored):
 
 
 @dataclass
-class StructKV(WindowScored):
+class StructKV(WindowScored, Structure):
     """Global centrality over depth, dynamic pivot, skeleton propagation, decoupled KV budgets.
 
+    The structural options (decay, the detector's settings, skeleton, guide, signal) are declared
+    once, in `Structure`, and validated once, in `StructKVConfig`; this class adds the budgets and
+    what the method decides before the compressor exists:
     pivot: "dynamic" (detected per row inside depth_range: `PivotDetector`), or a fixed layer
     (int) or depth fraction (float); `structkv.calibrate` fixes it from a few prompts.
-    decay: lambda of C <- lambda^(layer distance) * C + S. topk_ratio, confirm, sinks: the
-    detector's top-k mass, confirmation layers and left-out first tokens.
-    skeleton: the tokens kept at the pivot, top by "centrality" (the paper), "pivot" (the pivot
-    layer's saliency) or "union" (half each). equal_compute: choose the skeleton size at the
-    detected pivot so that the prefill costs what FastKV's does (its layer 15/32, rate struct_budget).
-    guide, beta: cross-layer KV retention (`GuidedRetention`): every planned layer keeps the top
-    of norm(S^(l)) + beta * norm(G), G the pivot layer's saliency ("pivot") or C ("centrality");
-    beta 0 = each layer by its own scores (the paper).
+    equal_compute: choose the skeleton size at the detected pivot so that the prefill costs what
+    FastKV's does (its layer 15/32, rate struct_budget).
+    beta: cross-layer KV retention (`GuidedRetention`): every planned layer keeps the top of
+    norm(S^(l)) + beta * norm(G), G the guide; beta 0 = each layer by its own scores (the paper).
+    pyramid: PyramidKV-shaped per-layer KV budgets with this steepness (None: flat).
     """
 
     # Defaults: the configuration chosen on the development split (docs/methods.md, "StructKV
     # here"); the paper's algorithm is `structkv_paper` (pivot "dynamic", confirm 1, skeleton
     # "centrality", beta 0).
     struct_budget: float | int = 0.2
-    decay: float = 0.9
     pivot: str | float | int = 15 / 32
-    depth_range: tuple[float, float] = (0.3, 0.6)
-    weights: tuple[float, float, float] = (0.2, 0.3, 0.5)
-    topk_ratio: float = 0.01
-    confirm: int = 2
-    sinks: int = 4
-    skeleton: str = "pivot"
     equal_compute: bool = False
-    guide: str = "pivot"
     beta: float = 3.0
-    pyramid: float | None = None  # PyramidKV-shaped per-layer KV budgets with this steepness (None: flat)
-    signal: str = "window"  # "novelty": query-free structure and KV scores (StructKVConfig)
+    pyramid: float | None = None
     name = "structkv"
     has_struct_budget: ClassVar[bool] = True
 
@@ -235,12 +226,10 @@ class StructKV(WindowScored):
         return StructKVCompressor(layout.num_layers, scored, keep, self.settings(pivot), keep_at)
 
     def settings(self, pivot: int | None = None) -> StructKVConfig:
-        """The compressor's settings from this method's fields (validated there), with the pivot
-        resolved to a layer (None: detected per row)."""
-        return StructKVConfig(window=self.window, kernel=self.kernel, pooling=self.pooling, decay=self.decay,
-                              pivot=pivot, depth_range=_tuple(self.depth_range), weights=_tuple(self.weights),
-                              topk_ratio=self.topk_ratio, confirm=self.confirm, sinks=self.sinks,
-                              skeleton=self.skeleton, guide=self.guide, signal=self.signal)
+        """The compressor's settings: this method's `Structure` fields and scoring window, with the
+        pivot resolved to a layer (None: detected per row); validated there."""
+        return StructKVConfig(**{name: getattr(self, name) for name in STRUCTURE}, window=self.window,
+                              kernel=self.kernel, pooling=self.pooling, pivot=pivot)
 
     def _unresolved(self) -> StructKVConfig:
         """The settings before a model resolves a fixed pivot to its layer (0 stands for it)."""
@@ -264,9 +253,10 @@ class StructKV(WindowScored):
         return keep_at
 
     def kv_scores(self, view):
-        if self.signal == "novelty":  # query-free: each layer keeps its most novel keys (pooled)
-            return self.heads(pooled_saliency(view.key_novelty(), self.window, self.kernel, self.pooling))
-        return super().kv_scores(view)
+        if self.signal == "window":
+            return super().kv_scores(view)  # the observation window's options (observe, per query head)
+        signal = view.structure_signal(self.signal, self.window)  # each layer by its own S^(l), pooled
+        return self.heads(pooled_saliency(signal, self.window, self.kernel, self.pooling))
 
     def layer_keep(self, layer, layout, lengths, base):
         return base if self.pyramid is None else pyramid_keep(layer, layout, lengths, base, self.pyramid, self.window)
@@ -296,11 +286,6 @@ class StructKV(WindowScored):
         p = self.pyramid
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 1 <= p < math.inf):
             raise ValueError(f"structkv: pyramid must be None or a finite number >= 1 (PyramidKV's beta), got {p!r}")
-
-
-def _tuple(x):
-    """Lists (from JSON or the command line) as tuples, so settings stay hashable; others as given."""
-    return tuple(x) if isinstance(x, list) else x
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.attention import CAUSAL_BLOCK, causal_attention, sliding_window_attention, visible
+from ..ops.attention import CAUSAL_BLOCK, causal_attention, decode_attention, sliding_window_attention, visible
 from .config import ModelConfig, inv_frequencies
 
 # What an `on_layer` hook returns to end `Decoder.run` early (no token needs the deeper layers).
@@ -96,11 +96,8 @@ class Attention(nn.Module):
         """
         B, Hq, S, D = q.shape
         Hkv = k.shape[1]
-        if S == 1 and Hkv < Hq:  # decode: the G query heads of a KV head as G query rows, so K/V are
-            # read in place (enable_gqa's CPU path copies them G times: most of a step at long context)
-            out = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv, D), k, v, attn_mask=mask,
-                                                 scale=self.scale)  # (B, Hkv, G, D); mask (B, 1|Hkv, 1, T)
-            return self.o_proj(out.reshape(B, 1, Hq * D))  # (B, Hkv, G, D) -> (B, 1, Hq*D)
+        if S == 1 and Hkv < Hq:  # one token: K/V read in place (`decode_attention`)
+            return self.o_proj(decode_attention(q, k, v, mask, self.scale).reshape(B, 1, Hq * D))
         if mask.shape[1] not in (1, self.num_heads):  # per-KV-head mask -> per query head
             mask = mask.repeat_interleave(self.num_heads // mask.shape[1], dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
@@ -119,13 +116,13 @@ class Attention(nn.Module):
             return self_attention(self, q, k, v, positions), q, k, v
         if q.shape[2] == 1:
             cache.write(k, v, positions)
-            keys = (cache.k, cache.v, cache.pos)
-        else:
-            new_pos = positions[:, None].expand(-1, k.shape[1], -1)  # (B, Hkv, S)
-            keys = (torch.cat([cache.k, k], 2), torch.cat([cache.v, v], 2), torch.cat([cache.pos, new_pos], 2))
+            out = cache.attend(q, visible(positions, cache.pos, self.window), self.scale)  # (B, Hq, 1, D)
+            return self.o_proj(out.reshape(q.shape[0], 1, -1)), q, k, v
+        old_k, old_v = cache.read(k.dtype)
+        new_pos = positions[:, None].expand(-1, k.shape[1], -1)  # (B, Hkv, S)
+        keys = (torch.cat([old_k, k], 2), torch.cat([old_v, v], 2), torch.cat([cache.pos, new_pos], 2))
         out = self.attend(q, keys[0], keys[1], visible(positions, keys[2], self.window))
-        if q.shape[2] > 1:
-            cache.write(k, v, positions)
+        cache.write(k, v, positions)
         return out, q, k, v
 
 
@@ -217,6 +214,7 @@ class Decoder(nn.Module):
         self.tokenizer = None  # set by structkv.models.load
         self.int8_head = None  # set by use_int8_head()
         self.weights = "fp32"  # the projections' storage: set by quantize()
+        self.kv_dtype = None  # the KV caches' entries: None (this dtype), "int8", "int4" (structkv.ops.kv_quant)
         self.source_types: dict[str, str] = {}  # HF name -> GGUF storage type ("Q4_K"); {} for float files
         self.tp = None  # a structkv.distributed.TensorParallel when this is one rank's shard
         self.full_config = cfg  # the whole model's config (`config` holds a shard's local heads)

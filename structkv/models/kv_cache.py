@@ -1,8 +1,12 @@
 """The KV caches: static, preallocated, one `LayerKVCache` per layer with the original position of
 every slot.
 
-The interface the decoder's decode step depends on (`KVCache`): `layers[i]` holds `k`, `v`
-(B, Hkv, C, D), `pos` (B, Hkv, C) and `window`, and `write(k, v, positions)` appends in place.
+The interface the decoder's decode step depends on (`KVCache`): `layers[i]` holds `pos` (B, Hkv,
+C) and `window`, `write(k, v, positions)` appends in place, `attend(q, mask, scale)` is one
+token's attention over the entries and `read()` gives them as floats (B, Hkv, C, D). The entries
+themselves are float planes `k`, `v`, or with `kv_dtype` "int8" / "int4" their codes and scale
+tables (`structkv.ops.kv_quant`), quantized once on the way in, so every method's eviction
+stacks with quantization.
 Positions are stored per (batch row, KV head, slot) so that caches whose heads keep different
 tokens (budgeted caches) use the same decode step: the mask comes from `pos`, -1 = empty slot.
 Sliding-window layers keep a ring of exactly `window` slots (slot = position % window): a query
@@ -19,7 +23,18 @@ import copy
 import torch
 from torch import nn
 
-from ..ops import compact_kv
+from ..ops import compact_kv, decode_attention
+from ..ops.kv_quant import (
+    TABLE_DTYPES,
+    TABLES,
+    check_kv_dtype,
+    code_dtype,
+    code_width,
+    dequantize_kv,
+    quantize_kv,
+    quantized_decode_attention,
+    table_width,
+)
 
 # Cache capacities are rounded up to a multiple of this, so prompts of similar length share one
 # compiled decode graph (the extra slots stay empty, position -1, never attended to).
@@ -31,16 +46,63 @@ def round_capacity(slots: int) -> int:
 
 
 class LayerKVCache(nn.Module):
+    """One layer's entries: planes k, v (B, Hkv, C, D) in a float dtype, or, with `kv_dtype`
+    "int8" / "int4", their codes and per-entry scale tables (`structkv.ops.kv_quant`: k and v hold
+    the codes, k_scale / v_scale (and k_min / v_min) are (B, Hkv, C, 1 or D/32)); pos (B, Hkv, C) the
+    original position of every slot (-1 empty). Every write quantizes once, on the way in."""
+
     def __init__(self, batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype, device,
-                 window: int | None = None):
+                 window: int | None = None, kv_dtype: str | None = None):
         super().__init__()
+        check_kv_dtype(kv_dtype)
         self.window = window  # ring buffer of `window` slots when set
+        self.kv_dtype, self.head_dim = kv_dtype, head_dim
         if window is not None:
             capacity = window
-        self.register_buffer("k", torch.zeros(batch, num_kv_heads, capacity, head_dim, dtype=dtype, device=device))
-        self.register_buffer("v", torch.zeros(batch, num_kv_heads, capacity, head_dim, dtype=dtype, device=device))
-        self.register_buffer("pos", torch.full((batch, num_kv_heads, capacity), -1, dtype=torch.long, device=device))
+        shape = (batch, num_kv_heads, capacity)
+        for name, (last, plane_dtype) in self._plane_specs(head_dim, dtype).items():
+            self.register_buffer(name, torch.zeros(*shape, last, dtype=plane_dtype, device=device))
+        self.register_buffer("pos", torch.full(shape, -1, dtype=torch.long, device=device))
         self.register_buffer("cursor", torch.zeros(1, dtype=torch.long, device=device))  # next slot (full layers)
+
+    def _plane_specs(self, head_dim: int, dtype) -> dict:
+        """name -> (last dimension, dtype) of every plane, k's then v's."""
+        if self.kv_dtype is None:
+            return {"k": (head_dim, dtype), "v": (head_dim, dtype)}
+        codes = (code_width(self.kv_dtype, head_dim), code_dtype(self.kv_dtype))
+        tables = {t: (table_width(self.kv_dtype, head_dim), TABLE_DTYPES[t]) for t in TABLES[self.kv_dtype]}
+        return {f"{side}{suffix}": spec for side in ("k", "v") for suffix, spec in (("", codes), *tables.items())}
+
+    @property
+    def planes(self) -> tuple[str, ...]:
+        """Names of the entry planes, k's then v's (each (B, Hkv, C, last))."""
+        return ("k", "v") if self.kv_dtype is None else tuple(
+            f"{side}{suffix}" for side in ("k", "v") for suffix in ("", *TABLES[self.kv_dtype]))
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """k, v (B, Hkv, S, D) -> one tensor per plane, in `planes` order (quantized when asked)."""
+        if self.kv_dtype is None:
+            return k.to(self.k.dtype), v.to(self.v.dtype)
+        return (*quantize_kv(k, self.kv_dtype), *quantize_kv(v, self.kv_dtype))
+
+    def read(self, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (B, Hkv, C, D) as floats (`dtype`, default the float planes' own or float32):
+        the buffers themselves when not quantized, else a dequantized copy."""
+        if self.kv_dtype is None:
+            return self.k, self.v
+        half = len(self.planes) // 2
+        planes = [getattr(self, name) for name in self.planes]
+        dtype = dtype or torch.float32
+        return (dequantize_kv(planes[:half], self.kv_dtype, dtype), dequantize_kv(planes[half:], self.kv_dtype, dtype))
+
+    def attend(self, q: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """One query token per row over this layer's entries: q (B, Hq, 1, D), mask (B, 1|Hkv, 1, C)
+        -> (B, Hq, 1, D). Quantized entries are read by `structkv::quantized_decode_attention`."""
+        if self.kv_dtype is None:
+            return decode_attention(q, self.k, self.v, mask, scale)
+        half = len(self.planes) // 2
+        planes = [getattr(self, name) for name in self.planes]
+        return quantized_decode_attention(q, planes[:half], planes[half:], mask, scale, self.kv_dtype)
 
     @property
     def capacity(self) -> int:
@@ -48,32 +110,37 @@ class LayerKVCache(nn.Module):
 
     def fill(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Store a left-padded prompt's k, v (B, Hkv, S, D) with positions (B, S) (-1 = padding)."""
-        B, H, S, D = k.shape
+        self.fill_planes(self.encode(k, v), positions)
+
+    def fill_planes(self, planes: tuple[torch.Tensor, ...], positions: torch.Tensor) -> None:
+        """`fill` with already encoded planes (one per `planes` name, (B, Hkv, S, last))."""
+        B, H, S = planes[0].shape[:3]
         if self.window is not None:
-            return self._fill_ring(k, v, positions)
+            return self._fill_ring(planes, positions)
         if S > self.capacity:
             raise ValueError(f"{S} entries do not fit a cache of capacity {self.capacity}")
-        self.k[:, :, :S] = k
-        self.v[:, :, :S] = v
+        for name, src in zip(self.planes, planes):
+            getattr(self, name)[:, :, :S] = src
         self.pos[:, :, :S] = positions[:, None].expand(-1, H, -1)  # (B, Hkv, S)
         self.pos[:, :, S:] = -1
         self.cursor.fill_(S)
 
-    def _fill_ring(self, k, v, positions) -> None:
+    def _fill_ring(self, planes, positions) -> None:
         """Keep the entries within `window` positions of each row's last one, at slot pos % window.
 
         Works for any set of original positions (a token subset included): positions inside one
         window are distinct modulo the window, so no two kept entries share a slot.
         """
-        B, H, S, D = k.shape
+        B, H, S = planes[0].shape[:3]
         W = self.capacity
         last = positions.max(dim=1, keepdim=True).values  # (B, 1)
         keep = (positions >= 0) & (positions > last - W)  # (B, S)
         slot = torch.where(keep, torch.remainder(positions, W), torch.full_like(positions, W))  # W: discarded
         slot = slot[:, None].expand(B, H, S)  # (B, Hkv, S)
-        for buf, src in ((self.k, k), (self.v, v)):
-            tmp = buf.new_zeros(B, H, W + 1, D)
-            tmp.scatter_(2, slot[..., None].expand(B, H, S, D), src.to(buf.dtype))
+        for name, src in zip(self.planes, planes):
+            buf = getattr(self, name)
+            tmp = buf.new_zeros(B, H, W + 1, buf.shape[-1])
+            tmp.scatter_(2, slot[..., None].expand(B, H, S, buf.shape[-1]), src.to(buf.dtype))
             buf.copy_(tmp[:, :, :W])
         pos = positions.new_full((B, H, W + 1), -1)
         pos.scatter_(2, slot, torch.where(keep, positions, torch.full_like(positions, -1))[:, None].expand(B, H, S))
@@ -98,13 +165,17 @@ class LayerKVCache(nn.Module):
         rows = torch.arange(B, device=k.device).view(B, 1, 1)
         heads = torch.arange(H, device=k.device).view(1, H, 1)
         where = (rows, heads, slot[:, None, :])  # broadcast to (B, Hkv, S)
-        self.k.index_put_(where, k.to(self.k.dtype))
-        self.v.index_put_(where, v.to(self.v.dtype))
+        for name, src in zip(self.planes, self.encode(k, v)):
+            getattr(self, name).index_put_(where, src)
         self.pos.index_put_(where, positions[:, None, :].expand(B, H, S))
 
+    def entry_bytes(self) -> int:
+        """Bytes one (token, KV head) entry takes, K and V, scale tables included."""
+        return sum(getattr(self, name)[0, 0, 0].numel() * getattr(self, name).element_size() for name in self.planes)
+
     def nbytes(self) -> int:
-        """Bytes of K and V allocated."""
-        return 2 * self.k.numel() * self.k.element_size()
+        """Bytes of K and V allocated (every plane)."""
+        return self.entry_bytes() * self.pos.numel()
 
     def entries(self) -> int:
         """Valid (non-empty) entries, summed over batch rows and KV heads."""
@@ -121,7 +192,7 @@ class KVCache(nn.Module):
         `layer` and return its (k, v, pos) to attend over (pos (B, Hkv, C), -1 = empty)."""
         cache = self.layers[layer]
         cache.write(k, v, positions)
-        return cache.k, cache.v, cache.pos
+        return (*cache.read(k.dtype), cache.pos)
 
     def entries(self) -> list[int]:
         """Valid entries per layer, summed over batch rows and KV heads."""
@@ -129,11 +200,7 @@ class KVCache(nn.Module):
 
     def nbytes(self, used: bool = True) -> list[int]:
         """K+V bytes per layer: of the valid entries (used=True) or of the allocated buffers."""
-        out = []
-        for layer in self.layers:
-            per_entry = 2 * layer.k.shape[-1] * layer.k.element_size()
-            out.append(per_entry * (layer.entries() if used else layer.pos.numel()))
-        return out
+        return [layer.entry_bytes() * (layer.entries() if used else layer.pos.numel()) for layer in self.layers]
 
     def free(self) -> int:
         """Tokens that can still be appended to every row (rings never fill)."""
@@ -149,11 +216,12 @@ class StaticKVCache(KVCache):
     """One `LayerKVCache` per layer: `capacity` slots for full-attention layers, a window-sized ring
     for sliding-window layers."""
 
-    def __init__(self, cfg, batch: int, capacity: int, dtype, device):
+    def __init__(self, cfg, batch: int, capacity: int, dtype, device, kv_dtype: str | None = None):
         super().__init__()
         self.layers = nn.ModuleList(
             LayerKVCache(batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype, device,
-                         window=cfg.window(i) if cfg.window(i) is not None and cfg.window(i) < capacity else None)
+                         window=cfg.window(i) if cfg.window(i) is not None and cfg.window(i) < capacity else None,
+                         kv_dtype=kv_dtype)
             for i in range(cfg.num_layers)
         )
 
@@ -165,20 +233,21 @@ class BudgetedKVCache(KVCache):
     compiles once, whatever the budgets.
 
     Args: batch B, num_kv_heads Hkv, head_dim D; capacities: slots per layer; rings: the window of
-    each layer kept as a ring (None = a plain buffer). `for_model` sizes it from a model config.
+    each layer kept as a ring (None = a plain buffer); kv_dtype: "int8" / "int4" entries
+    (`structkv.ops.kv_quant`) or None (`dtype` floats). `for_model` sizes it from a model config.
     """
 
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int, capacities: list[int],
-                 rings: list[int | None], dtype, device):
+                 rings: list[int | None], dtype, device, kv_dtype: str | None = None):
         super().__init__()
         if len(capacities) != len(rings):
             raise ValueError(f"need one ring setting per layer: {len(capacities)} capacities, {len(rings)} rings")
-        self.layers = nn.ModuleList(LayerKVCache(batch, num_kv_heads, capacity, head_dim, dtype, device, window=ring)
-                                    for capacity, ring in zip(capacities, rings))
+        self.layers = nn.ModuleList(LayerKVCache(batch, num_kv_heads, capacity, head_dim, dtype, device, window=ring,
+                                                 kv_dtype=kv_dtype) for capacity, ring in zip(capacities, rings))
 
     @classmethod
     def for_model(cls, cfg, batch: int, budgets: list[int], room: int, dtype, device, num_kv_heads: int | None = None,
-                  head_dim: int | None = None) -> "BudgetedKVCache":
+                  head_dim: int | None = None, kv_dtype: str | None = None) -> "BudgetedKVCache":
         """`budgets`: entries kept at prefill per layer (max over rows); `room`: slots for tokens
         appended later (generated and question tokens). Capacities are rounded up like every cache; a
         sliding layer is a ring of its window when prompt and room would not fit the window. `cfg`:
@@ -190,7 +259,7 @@ class BudgetedKVCache(KVCache):
         windows = [window(i) for i in range(cfg.num_layers)]
         rings = [w if w is not None and w < b + room else None for w, b in zip(windows, budgets)]
         return cls(batch, num_kv_heads or cfg.num_kv_heads, head_dim or cfg.head_dim,
-                   [round_capacity(b + room) for b in budgets], rings, dtype, device)
+                   [round_capacity(b + room) for b in budgets], rings, dtype, device, kv_dtype)
 
     def fill(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
              indices: torch.Tensor | None, check: bool = True) -> None:
@@ -201,7 +270,11 @@ class BudgetedKVCache(KVCache):
         if indices is None or cache.window is not None:
             cache.fill(k, v, positions)
             return
-        compact_kv(cache.k, cache.v, cache.pos, k, v, positions, pads_last(indices), check=check)
+        indices, planes, half = pads_last(indices), cache.encode(k, v), len(cache.planes) // 2
+        names = cache.planes
+        for i in range(half):  # codes, then each scale table: the same gather
+            compact_kv(getattr(cache, names[i]), getattr(cache, names[half + i]), cache.pos, planes[i],
+                       planes[half + i], positions, indices, check=check and i == 0)
         cache.cursor.fill_(indices.shape[-1])
 
 
@@ -235,33 +308,34 @@ class StackedKVCache(KVCache):
 
 def _stack_layer(parts: list[LayerKVCache]) -> LayerKVCache:
     first = parts[0]
-    _, H, _, D = first.k.shape
-    if any(p.k.shape[1] != H or p.k.shape[3] != D or p.k.dtype != first.k.dtype for p in parts):
-        raise ValueError("caches with different KV heads, head dims or dtypes cannot be stacked")
+    _, H, _, _ = first.k.shape
+    D, dtype, kv = first.head_dim, first.k.dtype, first.kv_dtype
+    if any(p.k.shape[1] != H or p.head_dim != D or p.k.dtype != dtype or p.kv_dtype != kv for p in parts):
+        raise ValueError("caches with different KV heads, head dims, dtypes or kv_dtypes cannot be stacked")
     batch = sum(p.k.shape[0] for p in parts)
     windows = {p.window for p in parts if p.window is not None}
     if len(windows) > 1:
         raise ValueError(f"sliding layers with different windows {sorted(windows)} cannot be stacked")
     if windows:
-        out = LayerKVCache(batch, H, 0, D, first.k.dtype, first.k.device, window=windows.pop())
+        out = LayerKVCache(batch, H, 0, D, dtype, first.k.device, window=windows.pop(), kv_dtype=kv)
         row = 0
         for p in parts:
             b = p.k.shape[0]
-            ring = LayerKVCache(b, H, 0, D, p.k.dtype, p.k.device, window=out.window)
-            ring._fill_ring(p.k, p.v, p.pos[:, 0])  # sliding layers hold the same positions in every head
-            for name in ("k", "v", "pos"):
+            ring = LayerKVCache(b, H, 0, D, dtype, p.k.device, window=out.window, kv_dtype=kv)
+            # sliding layers hold the same positions in every head
+            ring._fill_ring(tuple(getattr(p, name) for name in p.planes), p.pos[:, 0])
+            for name in (*out.planes, "pos"):
                 getattr(out, name)[row:row + b] = getattr(ring, name)
             row += b
         return out
     cursor = max(int(p.cursor) for p in parts)
     capacity = round_capacity(cursor + min(p.capacity - int(p.cursor) for p in parts))  # one decode graph per size
-    out = LayerKVCache(batch, H, capacity, D, first.k.dtype, first.k.device)
+    out = LayerKVCache(batch, H, capacity, D, dtype, first.k.device, kv_dtype=kv)
     row = 0
     for p in parts:
         b, used = p.k.shape[0], int(p.cursor)
-        out.k[row:row + b, :, :used] = p.k[:, :, :used]
-        out.v[row:row + b, :, :used] = p.v[:, :, :used]
-        out.pos[row:row + b, :, :used] = p.pos[:, :, :used]
+        for name in (*out.planes, "pos"):
+            getattr(out, name)[row:row + b, :, :used] = getattr(p, name)[:, :, :used]
         row += b
     out.cursor.fill_(cursor)
     return out

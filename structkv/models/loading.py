@@ -288,7 +288,7 @@ def _download(repo_id: str) -> Path:
 
 
 def load(name_or_path: str | os.PathLike, *, dtype=None, device="cpu", check_weights: bool = True,
-         tp: int | None = None, weights: str = "fp32") -> Decoder:
+         tp: int | None = None, weights: str = "fp32", kv_dtype: str | None = None) -> Decoder:
     """Load a decoder with `.config` and `.tokenizer`.
 
     `name_or_path`: a local HF folder, a `.gguf` file, the alias `gemma-3-270m`, a Hub id such
@@ -302,11 +302,17 @@ def load(name_or_path: str | os.PathLike, *, dtype=None, device="cpu", check_wei
     `weights`: how the projections and the LM head are stored and multiplied: "fp32" (the model's
     dtype), "bf16", "int8" or "int4" (CPU; a GGUF's 4-bit tensors kept as the file has them):
     `structkv.models.quantized`, speed and loss in docs/benchmarks.md.
+    `kv_dtype`: how every KV cache the model makes stores its entries: None (the model's dtype),
+    "int8" or "int4" (`structkv.ops.kv_quant`; `model.kv_dtype` can be changed later).
     """
+    from ..ops.kv_quant import check_kv_dtype
     from .quantized import check_weights as valid_weights
 
     valid_weights(weights)
-    return _load(name_or_path, dtype=dtype, device=device, check_weights=check_weights, tp=tp).quantize(weights)
+    check_kv_dtype(kv_dtype)
+    model = _load(name_or_path, dtype=dtype, device=device, check_weights=check_weights, tp=tp).quantize(weights)
+    model.kv_dtype = kv_dtype
+    return model
 
 
 def _load(name_or_path, *, dtype, device, check_weights, tp) -> Decoder:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .selection import pooled_saliency
+from .structkv_config import StructKVConfig
 
 
 class CentralityTracker(nn.Module):
@@ -28,8 +29,7 @@ class CentralityTracker(nn.Module):
 
     def __init__(self, decay: float = 0.9, window: int = 8, kernel: int = 7, pooling: str | None = "max"):
         super().__init__()
-        if not 0.0 <= decay <= 1.0:
-            raise ValueError(f"decay must be in [0, 1], got {decay}")
+        StructKVConfig(decay=decay, window=window, kernel=kernel, pooling=pooling)  # validated in one place
         self.decay, self.window, self.kernel, self.pooling = decay, window, kernel, pooling
         self.register_buffer("value", None, persistent=False)  # (B, N) float32 after reset
         self.layers: list[int] = []

@@ -84,8 +84,8 @@ class StructKVCompressor(Propagation):
         return self.pruner.select(scores, view.valid, rows, view.lengths)
 
     def signal(self, view) -> torch.Tensor:
-        """S^(l) before pooling, (B, Hkv, n): the window's attention or the keys' novelty."""
-        return view.window_scores(self.window) if self.config.signal == "window" else view.key_novelty()
+        """S^(l) before pooling, (B, Hkv, n) (`LayerView.structure_signal`)."""
+        return view.structure_signal(self.config.signal, self.window)
 
     def _skeleton_scores(self, own: torch.Tensor, columns: torch.Tensor, valid: torch.Tensor, rows,
                          lengths: list[int]) -> torch.Tensor:

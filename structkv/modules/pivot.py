@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .structkv_config import StructKVConfig
+
 
 @dataclass
 class PivotTrace:
@@ -101,12 +103,8 @@ class PivotDetector(nn.Module):
                  weights=(0.2, 0.3, 0.5), topk_ratio: float = 0.01, confirm: int = 2, sinks: int = 4,
                  observe_all: bool = False):
         super().__init__()
-        if not 0.0 <= depth_range[0] <= depth_range[1] <= 1.0:
-            raise ValueError(f"depth_range must satisfy 0 <= lo <= hi <= 1, got {depth_range}")
-        if isinstance(confirm, bool) or not isinstance(confirm, int) or confirm < 1:
-            raise ValueError(f"confirm must be an int >= 1 (layers a peak must hold), got {confirm!r}")
-        if not 0.0 < topk_ratio <= 1.0:
-            raise ValueError(f"topk_ratio must be in (0, 1], got {topk_ratio}")
+        StructKVConfig(depth_range=depth_range, weights=weights, topk_ratio=topk_ratio, confirm=confirm,
+                       sinks=sinks)  # validated where every StructKV setting is
         self.num_layers, self.scored = num_layers, sorted(scored_layers)
         self.candidates = candidate_layers(num_layers, self.scored, depth_range)
         before = [l for l in self.scored if l < self.candidates[0]]

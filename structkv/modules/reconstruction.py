@@ -43,7 +43,7 @@ def reconstruction_scores(model, held: dict, rings: dict, tokens: torch.Tensor, 
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=tokens.device)
         ids = torch.cat([ids, tokens[s:s + chunk]])[None]  # (1, S)
         pos = start + torch.arange(ids.shape[1], device=tokens.device)[None]  # (1, S): right after the context
-        saved = [tuple(b.clone() for b in (layer.k, layer.v, layer.pos, layer.cursor)) for layer in rings.values()]
+        saved = [{name: b.clone() for name, b in layer.named_buffers()} for layer in rings.values()]
 
         def on_layer(i, h, p, q, k, v):
             if i in scores:
@@ -55,8 +55,8 @@ def reconstruction_scores(model, held: dict, rings: dict, tokens: torch.Tensor, 
             caches.layers[i].cursor.fill_(sizes[i])
             caches.layers[i].pos[:, :, sizes[i]:] = -1
         for layer, saved_buffers in zip(rings.values(), saved):
-            for buf, value in zip((layer.k, layer.v, layer.pos, layer.cursor), saved_buffers):
-                buf.copy_(value)
+            for name, buf in layer.named_buffers():
+                buf.copy_(saved_buffers[name])
     return scores, run, time.perf_counter() - t0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .scores import share_of
 from .selection import select_tokens
 
 
@@ -101,13 +102,7 @@ class GuidedRetention(Retention):
         n = held.valid.shape[1]
         ranked = held.valid & (torch.arange(n, device=held.valid.device) < n - self.method.window)  # (B, n)
         g = self.guide.gather(2, held.columns[:, None].expand(-1, self.guide.shape[1], -1))  # (B, Hg, n)
-        return _norm(held.scores, ranked) + self.beta * _norm(g, ranked)
-
-
-def _norm(x: torch.Tensor, ranked: torch.Tensor) -> torch.Tensor:
-    """x (B, H, n) / its sum over the ranked columns (B, n); zero elsewhere."""
-    x = x.float() * ranked[:, None]
-    return x / x.sum(-1, keepdim=True).clamp_min(1e-30)
+        return share_of(held.scores, ranked) + self.beta * share_of(g, ranked)
 
 
 class ReconstructionRetention(Retention):
@@ -171,9 +166,9 @@ def _row(layer, b: int, room: int):
     from ..models.kv_cache import LayerKVCache
 
     used = layer.capacity if layer.window is not None else int(layer.cursor)
-    out = LayerKVCache(1, layer.k.shape[1], used + room, layer.k.shape[3], layer.k.dtype, layer.k.device,
-                       window=layer.window)
-    for name in ("k", "v", "pos"):
+    out = LayerKVCache(1, layer.k.shape[1], used + room, layer.head_dim, layer.k.dtype, layer.k.device,
+                       window=layer.window, kv_dtype=layer.kv_dtype)
+    for name in (*layer.planes, "pos"):
         getattr(out, name)[:, :, :used] = getattr(layer, name)[b:b + 1, :, :used]
     out.cursor.copy_(layer.cursor)
     return out

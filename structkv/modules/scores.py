@@ -28,6 +28,24 @@ def received_attention(q, k, pos, scale: float, block: int = H2O_QUERY_BLOCK) ->
     return out
 
 
+def share_of(x: torch.Tensor, ranked: torch.Tensor) -> torch.Tensor:
+    """x (B, H, n) as each column's share of its (B, H) sum over the ranked columns (B, n); zero
+    elsewhere. Puts scores of different kinds on one scale before they are added."""
+    x = x.float() * ranked[:, None]
+    return x / x.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+def percentile_of(x: torch.Tensor, ranked: torch.Tensor) -> torch.Tensor:
+    """x (B, H, n) as each ranked column's rank among its (B, H) row's ranked columns (B, n),
+    scaled to (0, 1] (1 = the largest); zero elsewhere. Scores of different kinds on one scale
+    whatever their spread."""
+    x = x.float().masked_fill(~ranked[:, None], float("-inf"))
+    rank = x.argsort(-1).argsort(-1).float() + 1  # (B, H, n): 1 = smallest
+    below = (~ranked).sum(-1)[:, None, None]  # (B, 1, 1) columns sorted under every ranked one
+    count = ranked.sum(-1)[:, None, None].clamp_min(1)
+    return ((rank - below) / count).clamp_min(0) * ranked[:, None]
+
+
 def key_novelty(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """KeyDiff's score, query-free: 1 - cos(k_i, mean of the layer's normalised valid keys), per
     KV head: (B, Hkv, n) in [0, 2] from k (B, Hkv, n, D) and valid (B, n). A key unlike the

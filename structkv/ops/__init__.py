@@ -5,15 +5,19 @@
 - `causal_attention`, `sliding_window_attention`: the prompt pass's blockwise self-attention,
   opaque to a compiled prefill;
 - `int8_head_logits`: one row's logits from an exact int8 copy of the LM head;
-- `int8_linear`, `int4_linear`: products with weight-only quantized weights (packed CPU kernels).
+- `int8_linear`, `int4_linear`: products with weight-only quantized weights (packed CPU kernels);
+- `quantized_decode_attention`: one query token over int8 / int4 KV entries (CPU reference,
+  Triton on CUDA), with `quantize_kv` / `dequantize_kv`, how the entries are stored.
 Triton is imported lazily, so the package works where it is absent.
 """
-from .attention import CAUSAL_BLOCK, causal_attention, sliding_window_attention, visible
+from .attention import CAUSAL_BLOCK, causal_attention, decode_attention, sliding_window_attention, visible
 from .compaction import compact_kv, compact_kv_reference
 from .int8_head import int8_head_logits
+from .kv_quant import dequantize_kv, quantize_kv, quantized_decode_attention
 from .quantized_linear import int4_linear, int8_linear
 from .saliency import window_scores, window_scores_naive, window_scores_reference
 
-__all__ = ["CAUSAL_BLOCK", "causal_attention", "compact_kv", "compact_kv_reference", "int4_linear", "int8_head_logits",
-           "int8_linear", "sliding_window_attention", "visible", "window_scores", "window_scores_naive",
-           "window_scores_reference"]
+__all__ = ["CAUSAL_BLOCK", "causal_attention", "compact_kv", "compact_kv_reference", "decode_attention",
+           "dequantize_kv", "int4_linear", "int8_head_logits", "int8_linear", "quantize_kv",
+           "quantized_decode_attention", "sliding_window_attention", "visible", "window_scores",
+           "window_scores_naive", "window_scores_reference"]

@@ -1,6 +1,6 @@
 """Self-attention of the prompt pass as opaque ops: `structkv::causal_attention` (full-attention
 layers) and `structkv::sliding_window_attention` (sliding-window layers), and `visible`, the mask
-rule every attention in structkv follows.
+rule every attention in structkv follows; `decode_attention`, one query token over a float cache.
 
 Both ops work blockwise (no (S, S) mask; sliding layers in O(S * window)). Their block arithmetic
 on a dynamic length would add shape guards to a compiled prefill, so they are registered with
@@ -106,3 +106,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 
 
 causal_attention.register_fake(_shaped_like_q)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One query token per row over float k, v: q (B, Hq, 1, D), k, v (B, Hkv, T, D), mask
+    (B, 1|Hkv, 1, T) -> (B, Hq, 1, D). The G query heads of a KV head go as G query rows, so k and v
+    are read in place (SDPA's enable_gqa on CPU would copy them G times)."""
+    B, Hq, _, D = q.shape
+    Hkv = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv, D), k, v, attn_mask=mask,
+                                         scale=scale)  # (B, Hkv, G, D)
+    return out.reshape(B, Hq, 1, D)

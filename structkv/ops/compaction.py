@@ -56,8 +56,9 @@ def _check(k_cache, v_cache, pos_cache, k, v, k_pos, indices, check_values: bool
     for name, t in (("indices", indices), ("k_pos", k_pos), ("pos_cache", pos_cache)):
         if t.dtype != torch.int64:
             raise ValueError(f"{name} must be int64, got {t.dtype}")
-    if not (k.dtype.is_floating_point and k_cache.dtype.is_floating_point):
-        raise ValueError(f"k/v and caches must be floating point, got {k.dtype} and {k_cache.dtype}")
+    if not (k.dtype.is_floating_point and k_cache.dtype.is_floating_point) and k.dtype != k_cache.dtype:
+        raise ValueError(f"k/v and caches must be floating point, or the same integer dtype (quantized codes), "
+                         f"got {k.dtype} and {k_cache.dtype}")
     if check_values and indices.numel():
         valid = indices >= 0
         if bool((indices >= N).any()):

@@ -173,3 +173,85 @@ def compact_kv_triton(k_cache, v_cache, pos_cache, k, v, k_pos, indices) -> None
             *k.stride(), *v.stride(), *k_pos.stride(), *indices.stride(),
             *k_cache.stride(), *v_cache.stride(), *pos_cache.stride(), BLOCK_M=block_m, BLOCK_D=block_d)
     pos_cache[:, :, M:] = -1
+
+
+@triton.jit
+def _dequant_tile(CODES, SCALE, MIN, row, offs_t, t_ok, offs_d, DC,
+                  sc_t, sc_d, ss_t, ss_g, sm_t, sm_g, INT4: tl.constexpr, GROUP_D: tl.constexpr):
+    """(BLOCK_T, BLOCK_D) float32 values of one code tile (int4: the low and the high halves, each
+    dimension with its group's scale and minimum)."""
+    ok = t_ok[:, None] & (offs_d[None, :] < DC)
+    codes = tl.load(CODES + row + offs_t[:, None] * sc_t + offs_d[None, :] * sc_d, mask=ok, other=0).to(tl.int32)
+    if INT4:
+        g_lo, g_hi = offs_d[None, :] // GROUP_D, (offs_d[None, :] + DC) // GROUP_D  # each dimension's group
+        s_lo = tl.load(SCALE + offs_t[:, None] * ss_t + g_lo * ss_g, mask=ok, other=0.0).to(tl.float32)
+        s_hi = tl.load(SCALE + offs_t[:, None] * ss_t + g_hi * ss_g, mask=ok, other=0.0).to(tl.float32)
+        m_lo = tl.load(MIN + offs_t[:, None] * sm_t + g_lo * sm_g, mask=ok, other=0.0).to(tl.float32)
+        m_hi = tl.load(MIN + offs_t[:, None] * sm_t + g_hi * sm_g, mask=ok, other=0.0).to(tl.float32)
+        return (codes & 15).to(tl.float32) * s_lo + m_lo, (codes >> 4).to(tl.float32) * s_hi + m_hi
+    scale = tl.load(SCALE + offs_t * ss_t, mask=t_ok, other=0.0).to(tl.float32)[:, None]
+    return codes.to(tl.float32) * scale, codes.to(tl.float32) * 0.0
+
+
+@triton.jit
+def _quantized_decode(Q, KC, KS, KM, VC, VS, VM, MASK, OUT,
+                      Hq, T, DC, scale,
+                      sqb, sqh, sqd, skb, skh, skt, skd, sksb, sksh, skst, sksg, skmb, skmh, skmt, skmg,
+                      svb, svh, svt, svd, svsb, svsh, svst, svsg, svmb, svmh, svmt, svmg,
+                      smb, smh, smt, sob, soh, sod,
+                      GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, INT4: tl.constexpr,
+                      GROUP_D: tl.constexpr):
+    """One program per (batch row, query head): stream over the cache's tiles with an online
+    softmax, dequantizing each tile in registers."""
+    pid = tl.program_id(0)
+    b, h = pid // Hq, pid % Hq
+    hk = h // GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < DC
+    q_lo = tl.load(Q + b * sqb + h * sqh + offs_d * sqd, mask=d_ok, other=0.0).to(tl.float32)
+    q_hi = tl.load(Q + b * sqb + h * sqh + (offs_d + DC) * sqd, mask=d_ok & INT4, other=0.0).to(tl.float32)
+    m = tl.full([1], float("-inf"), tl.float32)
+    l = tl.zeros([1], tl.float32)
+    acc_lo = tl.zeros([BLOCK_D], tl.float32)
+    acc_hi = tl.zeros([BLOCK_D], tl.float32)
+    for start in range(0, T, BLOCK_T):
+        offs_t = start + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < T
+        vis = tl.load(MASK + b * smb + hk * smh + offs_t * smt, mask=t_ok, other=0) != 0
+        k_lo, k_hi = _dequant_tile(KC, KS + b * sksb + hk * sksh, KM + b * skmb + hk * skmh, b * skb + hk * skh,
+                                   offs_t, t_ok, offs_d, DC, skt, skd, skst, sksg, skmt, skmg, INT4, GROUP_D)
+        x = tl.sum(k_lo * q_lo[None, :], 1) + tl.sum(k_hi * q_hi[None, :], 1)
+        x = tl.where(vis, x * scale, float("-inf"))  # (BLOCK_T,)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_safe))
+        p = tl.where(vis, tl.exp(x - m_safe), 0.0)  # (BLOCK_T,)
+        v_lo, v_hi = _dequant_tile(VC, VS + b * svsb + hk * svsh, VM + b * svmb + hk * svmh, b * svb + hk * svh,
+                                   offs_t, t_ok, offs_d, DC, svt, svd, svst, svsg, svmt, svmg, INT4, GROUP_D)
+        acc_lo = acc_lo * alpha + tl.sum(v_lo * p[:, None], 0)
+        acc_hi = acc_hi * alpha + tl.sum(v_hi * p[:, None], 0)
+        l = l * alpha + tl.sum(p, 0)
+        m = m_new
+    inv = tl.where(l > 0, 1.0 / l, 0.0)
+    out = OUT + b * sob + h * soh
+    tl.store(out + offs_d * sod, (acc_lo * inv).to(OUT.dtype.element_ty), mask=d_ok)
+    tl.store(out + (offs_d + DC) * sod, (acc_hi * inv).to(OUT.dtype.element_ty), mask=d_ok & INT4)
+
+
+def quantized_decode_attention_triton(q, k, v, mask, scale: float, kv_dtype: str) -> torch.Tensor:
+    """Kernel for `structkv::quantized_decode_attention` (same contract as the reference)."""
+    B, Hq, _, D = q.shape
+    Hkv, T, DC = k[0].shape[1], k[0].shape[2], k[0].shape[3]
+    int4 = kv_dtype == "int4"
+    out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
+    k_min, v_min = (k[2], v[2]) if int4 else (k[1], v[1])  # unread placeholders for int8
+    mask = mask.to(torch.int8).expand(B, -1, 1, T)
+    smh = mask.stride(1) if mask.shape[1] > 1 else 0
+    _quantized_decode[(B * Hq,)](
+        q, k[0], k[1], k_min, v[0], v[1], v_min, mask, out, Hq, T, DC, scale,
+        q.stride(0), q.stride(1), q.stride(3), *k[0].stride(), *k[1].stride(), *k_min.stride(),
+        *v[0].stride(), *v[1].stride(), *v_min.stride(), mask.stride(0), smh, mask.stride(3),
+        out.stride(0), out.stride(1), out.stride(3),
+        GROUP=Hq // Hkv, BLOCK_T=32, BLOCK_D=max(16, triton.next_power_of_2(DC)), INT4=int4,
+        GROUP_D=D // k[1].shape[-1])
+    return out

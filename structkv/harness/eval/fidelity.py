@@ -115,7 +115,10 @@ def run(cfg, out, model=None, *, progress: bool = True) -> dict:
     """Run (or resume) the fidelity evaluation of `cfg` (an EvalConfig, benchmark "fidelity")."""
     if model is None:
         from ...models import load
-        model = load(cfg.model, weights=cfg.weights)
+        model = load(cfg.model, weights=cfg.weights, kv_dtype=cfg.kv_dtype)
+    if model.kv_dtype != cfg.kv_dtype:  # results are labelled with the config's: they must be the model's
+        raise ValueError(f"the model's kv_dtype {model.kv_dtype!r} is not the config's {cfg.kv_dtype!r}; "
+                         "set one to the other")
     cfg.validate(model.config)
     out = Path(out)
     done = _open_output(cfg, out, name="records.jsonl")

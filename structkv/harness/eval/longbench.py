@@ -83,8 +83,9 @@ def full_task_file(task: str) -> Path:
 
 
 def load(task: str, tokenizer, max_length: int, *, root=None, subset: bool = True,
-         samples: int | None = None, split_question: bool = False) -> list[dict]:
-    """Records of `task` with the rendered, middle-truncated prompt (`input_ids`) and gold answers.
+         samples: int | None = None, split_question: bool = False, first: int = 0) -> list[dict]:
+    """Records `first` .. `first + samples - 1` of `task` (all from `first` when samples is None),
+    with the rendered, middle-truncated prompt (`input_ids`) and gold answers.
 
     `split_question`: `input_ids` is the prompt up to the end of the context and `question_ids`
     what the template puts after it (the question and instructions; no template puts the input
@@ -98,8 +99,10 @@ def load(task: str, tokenizer, max_length: int, *, root=None, subset: bool = Tru
     records = []
     with path.open() as f:
         for index, line in enumerate(f):
-            if samples is not None and index >= samples:
+            if samples is not None and index >= first + samples:
                 break
+            if index < first:
+                continue
             row = json.loads(line)
             head, _, tail = templates[task].partition("{context}")
             if split_question:
@@ -123,5 +126,5 @@ def load(task: str, tokenizer, max_length: int, *, root=None, subset: bool = Tru
                             "all_classes": classes, "length": len(ids) + len(question), "truncated": truncated,
                             "max_new_tokens": int(max_new[task]), "metric": LONGBENCH_METRIC[task]})
     if not records:
-        raise ValueError(f"{path} holds no records")
+        raise ValueError(f"{path} holds no records" + (f" from index {first}" if first else ""))
     return records

@@ -19,14 +19,15 @@ from ... import methods as methods_registry
 from ...files import write_text_atomic
 from ...models.quantized import check_weights
 from ...modules.budget import Budget
+from ...ops.kv_quant import check_kv_dtype
 from .. import environment, mean, median
 from . import metrics
 
 BENCHMARKS = ("ruler", "longbench", "niah", "fidelity")
 # Settings that define what a result means: a folder cannot mix runs that differ in these.
 DEFAULT_SAMPLES = 10  # generated samples per task (RULER, niah) when not given
-IDENTITY = ("benchmark", "model", "seed", "struct_budget", "max_new_tokens", "window", "longbench_full", "chat",
-            "chat_every_task", "question_after", "continuation", "weights")
+IDENTITY = ("benchmark", "model", "seed", "first", "struct_budget", "max_new_tokens", "window", "longbench_full",
+            "chat", "chat_every_task", "question_after", "continuation", "weights", "kv_dtype")
 
 
 @dataclass
@@ -41,6 +42,9 @@ class EvalConfig:
     samples: int | None = None  # per task; None: 10 generated (RULER, niah), every record (LongBench)
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])  # niah only
     seed: int = 42
+    # The first sample index of every task: LongBench records and RULER samples from here on, so a
+    # development split (first > 0) never shares a prompt with the default run (first 0).
+    first: int = 0
     max_new_tokens: int | None = None  # cap on each task's own generation length
     window: int | None = None  # observation window of the scoring methods (None: each method's default)
     longbench_full: bool = False  # LongBench: the full task files instead of subset/
@@ -65,11 +69,14 @@ class EvalConfig:
     # How the projections are stored and multiplied (structkv.models.quantized): "fp32", "bf16",
     # "int8", "int4"
     weights: str = "fp32"
+    # How the KV caches store their entries: None (the model's floats), "int8", "int4"
+    kv_dtype: str | None = None
 
     def __post_init__(self):  # budgets parsed once, where the config is made ("0.1" a ratio, "512" a count)
         self.kv_budgets = [Budget.parse(b, "kv_budget").value for b in self.kv_budgets]
         self.struct_budget = Budget.parse(self.struct_budget, "struct_budget").value
         check_weights(self.weights)
+        check_kv_dtype(self.kv_dtype)
 
     def validate(self, model_config=None) -> None:
         if self.benchmark not in BENCHMARKS:
@@ -80,6 +87,10 @@ class EvalConfig:
                 raise ValueError(f"unknown method {name!r}; valid: {', '.join(valid)}")
         if not self.methods:
             raise ValueError("give at least one method")
+        if isinstance(self.first, bool) or not isinstance(self.first, int) or self.first < 0:
+            raise ValueError(f"first must be a sample index >= 0, got {self.first!r}")
+        if self.first and self.samples is None:
+            raise ValueError("first needs samples: the split's records are first .. first + samples - 1")
         if self.samples is not None and self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if isinstance(self.continuation, bool) or not isinstance(self.continuation, int) or self.continuation < 1:
@@ -130,7 +141,7 @@ class EvalConfig:
                 records = sum(1 for line in f if line.strip())
         except FileNotFoundError:  # e.g. --report away from the data: the asked count is all we know
             return self.samples or DEFAULT_SAMPLES
-        return min(records, self.samples or records)
+        return max(0, min(records - self.first, self.samples or records))
 
     def extra_tasks(self) -> list[str]:
         """Tasks run only when named (`niah_many`: RULER-style, ours)."""
@@ -188,7 +199,7 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
                 for start in range(0, n, 10):  # in steps of 10 (samples are independent), to show progress
                     _building(progress, f"RULER {task} at {length} tokens: {start + 1}-{min(n, start + 10)} of {n}")
                     for rec in generate(task, tokenizer, length - markup, min(10, n - start), seed=cfg.seed,
-                                        data_dir=cfg.data_dir, start=start):
+                                        data_dir=cfg.data_dir, start=cfg.first + start):
                         out.append({**rec, **_ruler_ids(rec.pop("input"), rec.pop("question"), rec["answer_prefix"],
                                                         tokenizer, wrap, cfg.question_after),
                                     "length_budget": length})
@@ -199,7 +210,8 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
                 turn = wrap if cfg.chat_every_task or task not in PLAIN_UNDER_CHAT else None
                 bos = 1 if turn and tokenizer.add_bos and tokenizer.bos_id is not None else 0  # dropped below
                 for rec in load(task, tokenizer, length - (markup if turn else 0) + bos, root=cfg.data_dir,
-                                subset=not cfg.longbench_full, samples=cfg.samples, split_question=cfg.question_after):
+                                subset=not cfg.longbench_full, samples=cfg.samples, split_question=cfg.question_after,
+                                first=cfg.first):
                     if turn:  # the tokenizer's BOS is the template's business
                         ids = rec["input_ids"]
                         rec["input_ids"] = ids[1:] if ids[:1] == [tokenizer.bos_id] else ids
@@ -209,7 +221,7 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
             from .sources import needle_prompt
             for depth in cfg.depths:
                 _building(progress, f"needles at {length} tokens, depth {depth:g}")
-                for index in range(cfg.task_samples("niah")):
+                for index in range(cfg.first, cfg.first + cfg.task_samples("niah")):
                     needle = needle_prompt(tokenizer, length - 16 - markup, depth, seed=cfg.seed + index,
                                            root=cfg.data_dir)
                     ids = needle.prompt_ids
@@ -426,7 +438,10 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
     """
     if model is None:
         from ...models import load
-        model = load(cfg.model, weights=cfg.weights)
+        model = load(cfg.model, weights=cfg.weights, kv_dtype=cfg.kv_dtype)
+    if model.kv_dtype != cfg.kv_dtype:  # results are labelled with the config's: they must be the model's
+        raise ValueError(f"the model's kv_dtype {model.kv_dtype!r} is not the config's {cfg.kv_dtype!r}; "
+                         "set one to the other")
     cfg.validate(model.config)
     if model.tokenizer is None:
         raise ValueError(f"model {cfg.model!r} has no tokenizer; evaluation needs one (tokenizer.json in its folder)")
@@ -524,7 +539,7 @@ def _wanted(cfg: EvalConfig, configs: dict | None = None) -> set[str]:
     return {sample_key(label, {"length_budget": n, "task": task, "index": i,
                                **({"depth": d} if d is not None else {})})
             for label, _, _ in method_runs(cfg, configs) for n in cfg.lengths for task, count in per_task.items()
-            for d in depths for i in range(count)}
+            for d in depths for i in range(cfg.first, cfg.first + count)}
 
 
 def _report(cfg: EvalConfig, out: Path, done: dict[str, dict], *, write: bool = True,

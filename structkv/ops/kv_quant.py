@@ -1,0 +1,119 @@
+"""Quantized KV entries and `structkv::quantized_decode_attention`, the decode attention that reads them.
+
+A cache of `kv_dtype` "int8" or "int4" stores every (token, KV head) entry as codes plus its own
+scale (int4: and minimum), so one outlier token or head never costs the others their precision:
+- int8: symmetric, codes in [-127, 127], x ~ code * scale, scale = max|x| / 127;
+- int4: asymmetric per group of `INT4_GROUP` dimensions (16 levels cannot span a head whose few
+  outlier channels are 10x the rest: one scale per head measured KL 0.76 against the float cache
+  on Gemma 3 270M, groups of 32 far less, docs/benchmarks.md), codes in [0, 15],
+  x ~ code * scale + min, scale = (max - min) / 15; two codes per byte, dimension j in the low
+  nibble and j + D/2 in the high one (a kernel then reads two contiguous halves, no interleaving).
+Scales are bfloat16 (2 bytes, float32's range) rounded up, so no code is clipped; int4 minima
+float32: int8 entries take D + 2 bytes per head and token against 2D (bf16) or 4D (fp32); int4
+entries D/2 + 6 D/32.
+
+Each kind is a tuple of planes of one shape (..., last): the codes (..., D or D/2) and (..., 1)
+scale tables, so caches move and compact every plane the same way as float k and v.
+
+`quantized_decode_attention`: one query token over the quantized cache, opaque to a compiled
+decode step: the CPU implementation is the reference (dequantize, then the float decode
+attention); CUDA runs a Triton kernel that dequantizes tile by tile in registers
+(`structkv.ops.triton_kernels.quantized_decode_attention_triton`), never the whole cache.
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import decode_attention
+
+KV_DTYPES = ("int8", "int4")
+# Planes of each kind after the codes: names suffixed to "k" / "v" in a cache, and their dtypes.
+TABLES = {"int8": ("_scale",), "int4": ("_scale", "_min")}
+# A minimum is kept exactly: values far from zero next to their spread (a bfloat16 minimum of
+# -85620 is off by up to 512) would otherwise lose the whole int4 grid.
+TABLE_DTYPES = {"_scale": torch.bfloat16, "_min": torch.float32}
+INT4_GROUP = 32  # dimensions per int4 scale and minimum (the whole head when it does not divide it)
+SCALE_DTYPE = torch.bfloat16  # the range of float32: no entry overflows its table
+
+
+def check_kv_dtype(kv_dtype) -> None:
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be None (the model's float dtype), 'int8' or 'int4', got {kv_dtype!r}")
+
+
+def code_width(kv_dtype: str, head_dim: int) -> int:
+    """Last dimension of the code plane: D (int8) or D / 2 (int4, two codes per byte)."""
+    if kv_dtype == "int4" and head_dim % 2:
+        raise ValueError(f"int4 KV packs two dimensions per byte: head_dim must be even, got {head_dim}")
+    return head_dim // 2 if kv_dtype == "int4" else head_dim
+
+
+def table_width(kv_dtype: str, head_dim: int) -> int:
+    """Last dimension of the scale (and minimum) tables: 1 (int8) or one per int4 group."""
+    return head_dim // int4_group(head_dim) if kv_dtype == "int4" else 1
+
+
+def int4_group(head_dim: int) -> int:
+    return INT4_GROUP if head_dim % INT4_GROUP == 0 else head_dim
+
+
+def code_dtype(kv_dtype: str) -> torch.dtype:
+    return torch.int8 if kv_dtype == "int8" else torch.uint8
+
+
+def _scale(x: torch.Tensor) -> torch.Tensor:
+    """A step (float32) as a bfloat16 scale rounded up, never to nearest: it still spans the
+    entry's values, so no code is clipped and every value is within half a step."""
+    t = x.to(SCALE_DTYPE)
+    return torch.where(t.float() < x, torch.nextafter(t, torch.full_like(t, float("inf"))), t)
+
+
+def quantize_kv(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, ...]:
+    """x (..., D) float -> the planes (codes, scale[, min]) of `kv_dtype`, each (..., last)."""
+    x = x.float()
+    tiny = torch.finfo(torch.float32).tiny
+    if kv_dtype == "int8":
+        scale = _scale(x.abs().amax(-1, keepdim=True) / 127)  # (..., 1)
+        return torch.round(x / scale.float().clamp_min(tiny)).clamp(-127, 127).to(torch.int8), scale
+    D = x.shape[-1]
+    g = x.unflatten(-1, (D // int4_group(D), int4_group(D)))  # (..., G, group)
+    lo = g.amin(-1)  # (..., G), float32: exact
+    scale = _scale((g.amax(-1) - lo) / 15)
+    codes = torch.round((g - lo[..., None]) / scale.float().clamp_min(tiny)[..., None])
+    codes = codes.clamp(0, 15).to(torch.uint8).flatten(-2)  # (..., D)
+    return codes[..., :D // 2] | (codes[..., D // 2:] << 4), scale, lo  # (..., D/2): j low, j + D/2 high
+
+
+def dequantize_kv(planes: tuple[torch.Tensor, ...] | list[torch.Tensor], kv_dtype: str,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The planes of `quantize_kv` -> x (..., D) in `dtype`."""
+    if kv_dtype == "int8":
+        codes, scale = planes
+        return (codes.float() * scale.float()).to(dtype)
+    packed, scale, lo = planes
+    codes = torch.cat([packed & 15, packed >> 4], -1).float()  # (..., D)
+    g = codes.unflatten(-1, (scale.shape[-1], -1))  # (..., G, group)
+    return (g * scale.float()[..., None] + lo.float()[..., None]).flatten(-2).to(dtype)
+
+
+def quantized_decode_attention_reference(q, k, v, mask, scale: float, kv_dtype: str) -> torch.Tensor:
+    """Dequantize every entry to q's dtype, then `decode_attention`: the definition the kernels
+    are tested against. k, v: the planes of `quantize_kv`, each (B, Hkv, T, last)."""
+    return decode_attention(q, dequantize_kv(k, kv_dtype, q.dtype), dequantize_kv(v, kv_dtype, q.dtype), mask, scale)
+
+
+@torch.library.custom_op("structkv::quantized_decode_attention", mutates_args=())
+def quantized_decode_attention(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], mask: torch.Tensor,
+                               scale: float, kv_dtype: str) -> torch.Tensor:
+    """q (B, Hq, 1, D) over quantized k, v planes (B, Hkv, T, last) with a bool mask (B, 1|Hkv, 1, T)
+    -> (B, Hq, 1, D) in q's dtype."""
+    if q.device.type == "cuda":
+        from .triton_kernels import quantized_decode_attention_triton
+
+        return quantized_decode_attention_triton(q, k, v, mask, scale, kv_dtype)
+    return quantized_decode_attention_reference(q, k, v, mask, scale, kv_dtype).contiguous()
+
+
+@quantized_decode_attention.register_fake
+def _(q, k, v, mask, scale, kv_dtype):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
