@@ -75,8 +75,13 @@ def _read_prompt(args) -> str:
 
 
 def _generate(args) -> int:
+    import torch
+
     import structkv
     from structkv import methods
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     prompt = _read_prompt(args)
     _writable(cache_root(), "the cache folder", "set STRUCTKV_CACHE to a writable folder")
@@ -176,6 +181,16 @@ def _writable(path: Path, what: str, fix: str) -> None:
         probe = probe.parent
     if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
         raise PermissionError(f"{what} {p}: {probe} is not writable; {fix}")
+
+
+def _seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds such as 30 or 2.5, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def _positive_int(text):
@@ -320,17 +335,25 @@ def _serve(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
+    from structkv.serve.guard import LOOPBACK_HOSTS, loopback
+
+    api_key = args.api_key or os.environ.get("STRUCTKV_API_KEY") or None
+    if not loopback(args.host) and api_key is None:
         print(f"structkv: warning: serving on {args.host} without authentication; anyone who can reach it can use "
-              "the model", file=sys.stderr)
+              "the model (set --api-key or STRUCTKV_API_KEY)", file=sys.stderr)
+    # Bound to loopback, only loopback names are answered (a DNS-rebound name never reaches a
+    # route); elsewhere any name unless --allowed-host lists them.
+    hosts = args.allowed_host or (list(LOOPBACK_HOSTS) if loopback(args.host) else None)
     settings = Settings(model_name=args.served_name or args.model, method=args.method,
                         context_method=args.context_method, kv_budget=args.kv_budget,
                         struct_budget=args.struct_budget, cache_bytes=args.cache_bytes, max_queue=args.max_queue,
                         max_tokens=args.max_tokens, room=args.room, min_context_tokens=args.min_context_tokens,
                         compile={"auto": "auto", "always": True, "never": False}[args.compile])
     model = structkv.load(args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype)
-    app = build(model, settings, max_request_bytes=args.max_request_bytes)
-    uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
+    app = build(model, settings, max_request_bytes=args.max_request_bytes, api_key=api_key, allowed_hosts=hosts,
+                allowed_origins=args.allow_origin or (), body_timeout_s=args.body_timeout)
+    uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                  max_connections=args.max_connections)).run()
     return 0
 
 
@@ -378,6 +401,8 @@ def main(argv=None) -> int:
     g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of as it comes")
     g.add_argument("--int8-head", action="store_true", help=INT8_HELP)
     g.add_argument("--tp", type=_positive_int, default=None, help=TP_HELP)
+    g.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads (default: torch's, one per core); 1 holds its speed best on a busy machine")
     g.set_defaults(fn=_generate)
     e = sub.add_parser("eval", help="accuracy of methods on RULER, LongBench or a needle grid (offline, resumable)")
     e.add_argument("benchmark", choices=["ruler", "longbench", "niah", "fidelity"],
@@ -480,6 +505,19 @@ def main(argv=None) -> int:
     s.add_argument("--compile", choices=["auto", "always", "never"], default="auto")
     s.add_argument("--threads", type=_positive_int, default=None)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--max-connections", type=_positive_int, default=64,
+                   help="open connections and requests at once; beyond it new requests get 503 at once")
+    s.add_argument("--body-timeout", type=_seconds, default=30.0,
+                   help="seconds a request body may take to arrive whole; then 408 and the connection closes")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $STRUCTKV_API_KEY; "
+                        "none: no key)")
+    s.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                   help="a Host name the server answers to (repeatable; default on loopback: localhost, 127.0.0.1, "
+                        "::1; elsewhere: any)")
+    s.add_argument("--allow-origin", action="append", default=None, metavar="ORIGIN",
+                   help="a web app origin allowed to call the server, e.g. http://localhost:3000 (repeatable; "
+                        "default: none, browsers' cross-origin requests are refused)")
     s.set_defaults(fn=_serve)
     args = p.parse_args(argv)
     try:

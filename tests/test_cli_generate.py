@@ -88,12 +88,27 @@ def test_questions_answer_from_one_compressed_state(byte_model, byte_model_dir, 
     assert err.count("structkv: method") == 2
 
 
+def test_threads_and_int8_kv_entries(byte_model, byte_model_dir, capsys):
+    """--threads sets torch's thread count for the call; --kv-dtype int8 stores the entries as int8
+    and answers like the float cache on this model."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert _gen(byte_model_dir, "Hello there", "--threads", "1", "--kv-dtype", "int8", "--no-stream") == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    out, err = capsys.readouterr()
+    assert out == structkv.generate(byte_model, "Hello there", max_new_tokens=12, compile=False).text + "\n"
+
+
 def test_help_explains_every_option(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     text = capsys.readouterr().out
     for option in ("--file", "--question", "--method", "--kv-budget", "--struct-budget", "--compile", "--no-stream",
-                   "--max-new-tokens", "--temperature", "--seed", "examples:"):
+                   "--max-new-tokens", "--temperature", "--seed", "--threads", "--kv-dtype", "examples:"):
         assert option in text
 
 

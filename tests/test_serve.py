@@ -215,6 +215,12 @@ BAD = [
     ({"model": NAME, "messages": [{"role": "user", "content": "x" * 3000}]}, 400, "context_length_exceeded"),
     ({"messages": [{"role": "user", "content": "x"}]}, 400, "missing_required_parameter"),
     ([1, 2], 400, "invalid_json"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_token": 5}, 400, "unknown_parameter"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "seed": 2**64}, 400, "invalid_value"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "seed": -1}, 400, "invalid_value"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "struct_budget": 0.2}, 400,
+     "unsupported_parameter"),  # the server's method, snapkv, has no structural budget
+    ({"model": NAME, "messages": [{"role": "user", "content": "x\ud800"}]}, 400, "invalid_value"),
 ]
 
 
@@ -238,6 +244,82 @@ def test_malformed_json_oversized_bodies_and_unknown_routes(server, client):
     # and it keeps serving
     assert client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
                                           max_tokens=2).choices[0].message.content is not None
+
+
+def test_bodies_that_used_to_be_500s_are_400s(server):
+    """Integers over Python's 4300 digits, JSON nested past the parser's depth, a lone surrogate in
+    a raw body; and a large value is not echoed back whole. None of it is a server error."""
+    msgs = '"messages": [{"role": "user", "content": "x"}]'
+    for raw, code in ((f'{{"model": "{NAME}", {msgs}, "seed": {"9" * 5000}}}', "invalid_json"),
+                      ("[" * 100_000 + "]" * 100_000, "invalid_json"),
+                      (f'{{"model": "{NAME}", "messages": [{{"role": "user", "content": "a\\udc00b"}}]}}',
+                       "invalid_value")):
+        r = post(server, "/v1/chat/completions", raw.encode())
+        assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text[:300]
+    big = "t" * 200_000
+    r = post(server, "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                                              "temperature": big})
+    assert r.status_code == 400 and len(r.text) < 2000 and "200002 characters" in r.json()["error"]["message"]
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    assert 'status="500"' not in metrics
+
+
+def test_guard_rules():
+    """API key, Host, Origin and content type, rule by rule (structkv.serve.guard.Guard.check)."""
+    from structkv.serve.guard import LOOPBACK_HOSTS, Guard
+
+    g = Guard(None, api_key="s3cret", allowed_hosts=LOOPBACK_HOSTS, allowed_origins=["http://localhost:3000"])
+    ok = {"host": "127.0.0.1:8000", "authorization": "Bearer s3cret", "content-type": "application/json"}
+    assert g.check("POST", "/v1/completions", ok) is None
+    assert g.check("POST", "/v1/completions", {**ok, "host": "[::1]:8000"}) is None
+    assert g.check("POST", "/v1/completions", {**ok, "content-type": "application/json; charset=utf-8"}) is None
+    cases = [({**ok, "host": "evil.example:8000"}, 400, "invalid_host"),  # DNS rebinding
+             ({**ok, "origin": "http://evil.example"}, 403, "origin_not_allowed"),
+             ({**ok, "authorization": "Bearer wrong"}, 401, "invalid_api_key"),
+             ({k: v for k, v in ok.items() if k != "authorization"}, 401, "invalid_api_key"),
+             ({**ok, "content-type": "text/plain"}, 415, "unsupported_media_type")]
+    for headers, status, code in cases:
+        got = g.check("POST", "/v1/completions", headers)
+        assert got is not None and got[:1] == (status,) and got[2] == code, (headers, got)
+    assert g.check("POST", "/v1/completions", {**ok, "origin": "http://localhost:3000"}) is None
+    assert g.check("POST", "/v1/completions", {**ok, "origin": "http://127.0.0.1:8000"}) is None  # its own pages
+    assert g.check("GET", "/health", {"host": "localhost"}) is None  # open for load balancers
+    assert Guard(None).check("POST", "/x", {"host": "anything", "content-type": "application/json"}) is None
+
+
+def test_api_key_and_host_over_http(chat_model):
+    with Background(build(chat_model, settings(), api_key="k3y", allowed_hosts=["127.0.0.1"])) as srv:
+        ask = dict(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).chat.completions.create(**ask)
+        keyed = openai.OpenAI(base_url=srv.url + "/v1", api_key="k3y", timeout=60, max_retries=0)
+        assert keyed.chat.completions.create(**ask).choices[0].message.content is not None
+        r = httpx.post(srv.url + "/v1/chat/completions", content=json.dumps(ask), timeout=30,
+                       headers={"authorization": "Bearer k3y", "content-type": "text/plain"})
+        assert r.status_code == 415  # what a web page can send without a preflight
+        r = httpx.get(srv.url + "/v1/models", headers={"host": "rebound.example", "authorization": "Bearer k3y"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+        metrics = httpx.get(srv.url + "/metrics", headers={"authorization": "Bearer k3y"}, timeout=10).text
+        assert 'status="401"' in metrics and 'status="415"' in metrics
+
+
+def test_a_half_sent_body_is_answered_408_within_the_timeout(chat_model):
+    """A client that sends half a body and waits gets 408 after --body-timeout and its connection
+    closes, instead of holding it for as long as it likes."""
+    import socket
+
+    with Background(build(chat_model, settings(), body_timeout_s=1.0)) as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        t0 = time.monotonic()
+        with socket.create_connection((host, int(port)), timeout=20) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"model\": ")
+            reply = b""
+            while chunk_ := sock.recv(4096):
+                reply += chunk_
+        assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
+        assert time.monotonic() - t0 < 10
 
 
 class Gate:
@@ -315,6 +397,11 @@ def test_cli_refuses_bad_settings_before_serving(chat_model, capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--cache-bytes", "lots"])
     assert "512MiB" in capsys.readouterr().err
+    for option, value, message in (("--body-timeout", "-1", "positive number of seconds"),
+                                   ("--max-connections", "0", "positive integer")):
+        with pytest.raises(SystemExit):
+            main(["serve", option, value])
+        assert message in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown method 'magic'"):
         Engine(chat_model, settings(method="magic"))
 

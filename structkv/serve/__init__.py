@@ -9,9 +9,12 @@ Needs the `serve` extra: pip install "structkv[serve]".
 from __future__ import annotations
 
 
-def build(model, settings, *, max_request_bytes: int = 16 << 20):
-    """An ASGI app serving `model` with `settings` (an `engine.Settings`)."""
+def build(model, settings, *, max_request_bytes: int = 16 << 20, api_key: str | None = None, allowed_hosts=None,
+          allowed_origins=(), body_timeout_s: float = 30.0):
+    """An ASGI app serving `model` with `settings` (an `engine.Settings`); `api_key`,
+    `allowed_hosts` (None: any), `allowed_origins`: who may call it (`structkv.serve.guard`)."""
     from .app import make_app
     from .engine import Engine
 
-    return make_app(Engine(model, settings), max_request_bytes=max_request_bytes)
+    return make_app(Engine(model, settings), max_request_bytes=max_request_bytes, api_key=api_key,
+                    allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, body_timeout_s=body_timeout_s)

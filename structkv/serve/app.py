@@ -12,24 +12,32 @@ import time
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .engine import Engine
+from .guard import Guard
 from .protocol import APIError, chunk, parse, response
 
 POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 
 
-def make_app(engine: Engine, max_request_bytes: int = 16 << 20) -> Starlette:
-    """The server's ASGI app around a running `Engine` (closed when the app shuts down)."""
+def make_app(engine: Engine, max_request_bytes: int = 16 << 20, *, api_key: str | None = None,
+             allowed_hosts=None, allowed_origins=(), body_timeout_s: float = 30.0) -> Starlette:
+    """The server's ASGI app around a running `Engine` (closed when the app shuts down), behind
+    `Guard` (API key, Host, Origin, content type: structkv.serve.guard). A request body not
+    received whole within `body_timeout_s` is answered 408 and its connection freed (a client that
+    sends half a body and waits holds nothing for long)."""
+
+    limits = (max_request_bytes, body_timeout_s)
 
     async def chat(request):
-        return await _answer(engine, request, "chat", "/v1/chat/completions", max_request_bytes)
+        return await _answer(engine, request, "chat", "/v1/chat/completions", limits)
 
     async def completions(request):
-        return await _answer(engine, request, "completion", "/v1/completions", max_request_bytes)
+        return await _answer(engine, request, "completion", "/v1/completions", limits)
 
     async def models(request):
         engine.metrics.request("/v1/models", 200)
@@ -54,7 +62,9 @@ def make_app(engine: Engine, max_request_bytes: int = 16 << 20) -> Starlette:
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
-    app = Starlette(routes=routes, lifespan=_lifespan(shutdown),
+    guard = Middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins,
+                       refused=engine.metrics.request)
+    app = Starlette(routes=routes, lifespan=_lifespan(shutdown), middleware=[guard],
                     exception_handlers={404: _not_found, 405: _not_allowed, 500: _internal})
     app.state.engine = engine
     return app
@@ -71,10 +81,10 @@ def _lifespan(shutdown):
     return lifespan
 
 
-async def _answer(engine: Engine, request: HTTPRequest, kind: str, endpoint: str, limit: int) -> Response:
+async def _answer(engine: Engine, request: HTTPRequest, kind: str, endpoint: str, limits: tuple) -> Response:
     t0 = time.perf_counter()
     try:
-        req = parse(await _json(request, limit), kind)
+        req = parse(await _json(request, *limits), kind)
         job = await run_in_threadpool(engine.prepare, req, asyncio.get_running_loop())
         engine.submit(job)
     except APIError as e:
@@ -95,7 +105,22 @@ async def _answer(engine: Engine, request: HTTPRequest, kind: str, endpoint: str
     return _error(error)
 
 
-async def _json(request: HTTPRequest, limit: int):
+async def _json(request: HTTPRequest, limit: int, timeout_s: float):
+    try:
+        async with asyncio.timeout(timeout_s):
+            body = await _body(request, limit)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s (structkv serve --body-timeout)",
+                       code="request_timeout", headers={"connection": "close"}) from None
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and integers over Python's 4300 digits
+        raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests too deeply to be a request", code="invalid_json") from None
+
+
+async def _body(request: HTTPRequest, limit: int) -> bytearray:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the request body ({int(declared)} bytes) is over this server's limit of {limit} bytes "
@@ -106,10 +131,7 @@ async def _json(request: HTTPRequest, limit: int):
         if len(body) > limit:
             raise APIError(413, f"the request body is over this server's limit of {limit} bytes "
                            "(structkv serve --max-request-bytes)", code="request_too_large")
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    return body
 
 
 async def _result(job, request: HTTPRequest):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from ..compress import prefill
 from ..generation import generate
-from ..methods import CONTEXT_DEFAULT, Budget, build, names
+from ..methods import CONTEXT_DEFAULT, Budget, build, has_struct_budget, names
 from ..text import chat
 from ..text.detokenize import StopText
 from .context_cache import ContextCache, context_key
@@ -107,8 +107,11 @@ class Engine:
         context method for a context compressed before its question, `context`)."""
         name = req.method or (self.settings.context_method if context else self.settings.method)
         if name not in names():
-            raise bad("method", f"unknown method {name!r}; this server has: {', '.join(names())}",
+            raise bad("method", f"unknown method {name[:100]!r}; this server has: {', '.join(names())}",
                       code="unknown_method")
+        if req.struct_budget is not None and not has_struct_budget(name):
+            raise bad("struct_budget", f"method {name} has no structural budget (R_struct: the structkv and fastkv "
+                      "methods); leave struct_budget out or choose one of those", code="unsupported_parameter")
         kv = req.kv_budget if req.kv_budget is not None else self.settings.kv_budget
         struct = req.struct_budget if req.struct_budget is not None else self.settings.struct_budget
         try:
@@ -121,8 +124,8 @@ class Engine:
     def prepare(self, req: Request, loop) -> Job:
         """Check and tokenize a request (in a thread of the server's pool: long documents take a while)."""
         if req.model != self.settings.model_name:
-            raise APIError(404, f"model {req.model!r} is not served here; this server has {self.settings.model_name!r}"
-                           " (GET /v1/models)", param="model", code="model_not_found")
+            raise APIError(404, f"model {req.model[:100]!r} is not served here; this server has "
+                           f"{self.settings.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
         self.method_for(req)  # an unknown method or a bad budget is refused before the tokenizing
         max_new = req.max_tokens or min(self.settings.default_max_tokens, self.settings.max_tokens)
         if max_new > self.settings.max_tokens:

@@ -6,13 +6,16 @@ import threading
 import time
 
 
-def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
+def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                   max_connections: int = 64):
     import uvicorn
 
     # Graceful shutdown: on SIGINT/SIGTERM uvicorn stops accepting, lets running requests finish
-    # (up to the timeout), then the app's lifespan closes the engine.
+    # (up to the timeout), then the app's lifespan closes the engine. Beyond `max_connections`
+    # open connections and tasks new requests get 503 at once; idle keep-alive connections close
+    # after 5 s.
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=120,
-                          lifespan="on")
+                          lifespan="on", limit_concurrency=max_connections, timeout_keep_alive=5)
 
 
 class Background:

@@ -22,6 +22,13 @@ EXTRA_FIELDS = ("method", "kv_budget", "struct_budget", "context")
 NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "echo": False,
            "best_of": 1, "top_logprobs": 0}
 REFUSED = ("tools", "functions", "tool_choice", "function_call", "logit_bias", "suffix", "audio", "prediction")
+# OpenAI fields that say who is asking or how to bill and store, not what to generate: accepted,
+# with no effect here.
+INFORMATIONAL = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+FIELDS = {"chat": ("model", "messages", "max_tokens", "max_completion_tokens"),
+          "completion": ("model", "prompt", "max_tokens")}
+COMMON = ("temperature", "top_p", "stop", "seed", "stream", "stream_options", "response_format")
+SEED_LIMIT = 1 << 64  # seeds are unsigned 64-bit integers
 
 
 class APIError(Exception):
@@ -68,6 +75,8 @@ def parse(body, kind: str) -> Request:
     """A JSON body (already decoded) as a `Request`, or an `APIError` naming the bad field."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    _refuse_unknown(body, kind)
+    _refuse_lone_surrogates(body)
     req = Request(kind=kind, model=_string(body, "model", required=True))
     if kind == "chat":
         req.messages = _messages(body.get("messages"))
@@ -89,6 +98,8 @@ def parse(body, kind: str) -> Request:
     req.top_p = _number(body, "top_p", low=0, high=1, low_open=True)
     req.stop = _stop(body.get("stop"))
     req.seed = _integer(body, "seed")
+    if req.seed is not None and not 0 <= req.seed < SEED_LIMIT:
+        raise bad("seed", f"'seed' must be an integer in [0, 2**64), got {_show(req.seed)}")
     req.stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is not None:
@@ -101,10 +112,47 @@ def parse(body, kind: str) -> Request:
     return req
 
 
+def _refuse_unknown(body: dict, kind: str) -> None:
+    """Fields this server does not know are refused, never silently ignored (a typo such as
+    "max_token" would otherwise change nothing without a word)."""
+    known = {*FIELDS[kind], *COMMON, *EXTRA_FIELDS, *NEUTRAL, *REFUSED, *INFORMATIONAL}
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        shown = ", ".join(_show(k) for k in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise bad(unknown[0][:100], f"unknown field(s) {shown} for {kind} requests; this server reads: "
+                  f"{', '.join(sorted(known - set(REFUSED)))}", code="unknown_parameter")
+
+
+def _refuse_lone_surrogates(body) -> None:
+    """A JSON string may carry a lone UTF-16 surrogate ("\\ud800"), which no text encoding can
+    hold: refused here, naming where, rather than failing deep in the tokenizer."""
+    stack = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            stack += [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
+            stack += [(path or "body", k) for k in value]  # keys are strings too
+        elif isinstance(value, list):
+            stack += [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad(path[:100] or "body", f"{path[:100] or 'the body'} holds a lone UTF-16 surrogate (an "
+                          "unpaired \\ud800-\\udfff escape), which is not text; fix the client's encoding") from None
+
+
+def _show(value, limit: int = 100) -> str:
+    """A client's value for an error message, cut to `limit` characters (a message never echoes
+    a whole large value back)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
 def _refuse_unsupported(body: dict) -> None:
     for name, neutral in NEUTRAL.items():
         if body.get(name) not in (None, neutral):
-            raise bad(name, f"{name}={body[name]!r} is not supported by this server (only {neutral!r})",
+            raise bad(name, f"{name}={_show(body[name])} is not supported by this server (only {neutral!r})",
                       code="unsupported_value")
     for name in REFUSED:
         if body.get(name) not in (None, [], {}):
@@ -131,7 +179,7 @@ def _flag(body, name) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise bad(name, f"'{name}' must be true or false, got {value!r}")
+        raise bad(name, f"'{name}' must be true or false, got {_show(value)}")
     return value
 
 
@@ -140,7 +188,7 @@ def _integer(body, name):
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad(name, f"'{name}' must be an integer, got {value!r}")
+        raise bad(name, f"'{name}' must be an integer, got {_show(value)}")
     return value
 
 
@@ -169,7 +217,7 @@ def _number(body, name, low=None, high=None, low_open=False):
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise bad(name, f"'{name}' must be a finite number, got {value!r}")
+        raise bad(name, f"'{name}' must be a finite number, got {_show(value)}")
     if low is not None and (value < low or (low_open and value == low)):
         raise bad(name, f"'{name}' must be {'>' if low_open else '>='} {low}, got {value}")
     if high is not None and value > high:
@@ -196,8 +244,8 @@ def _messages(messages) -> list[dict]:
         if not isinstance(content, str):
             raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or text parts")
         if m["role"] not in ("system", "developer", "user", "assistant"):
-            raise bad(f"messages[{i}].role", f"messages[{i}].role {m['role']!r} is not one of system, developer, "
-                      "user, assistant")
+            raise bad(f"messages[{i}].role", f"messages[{i}].role {_show(m['role'])} is not one of system, "
+                      "developer, user, assistant")
         out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     if not any(m["role"] == "user" for m in out):
         raise bad("messages", "the conversation needs at least one user message")
