@@ -348,13 +348,19 @@ def _serve(args) -> int:
                         context_method=args.context_method, kv_budget=args.kv_budget,
                         struct_budget=args.struct_budget, cache_bytes=args.cache_bytes, max_queue=args.max_queue,
                         max_tokens=args.max_tokens, room=args.room, min_context_tokens=args.min_context_tokens,
-                        compile={"auto": "auto", "always": True, "never": False}[args.compile])
+                        compile={"auto": "auto", "always": True, "never": False}[args.compile],
+                        max_prompt_tokens=args.max_prompt_tokens)
     model = structkv.load(args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype)
     app = build(model, settings, max_request_bytes=args.max_request_bytes, api_key=api_key, allowed_hosts=hosts,
                 allowed_origins=args.allow_origin or (), body_timeout_s=args.body_timeout)
     uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                  max_connections=args.max_connections)).run()
+                                  max_connections=args.max_connections, grace_s=args.shutdown_grace)).run()
     return 0
+
+
+# Commands that run beside other work (a server, an interactive answer) wait for work passively;
+# eval and bench keep OpenMP's default, so their speed figures stay comparable with earlier ones.
+SHARES_THE_MACHINE = ("generate", "serve")
 
 
 def main(argv=None) -> int:
@@ -505,6 +511,12 @@ def main(argv=None) -> int:
     s.add_argument("--compile", choices=["auto", "always", "never"], default="auto")
     s.add_argument("--threads", type=_positive_int, default=None)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--max-prompt-tokens", type=_positive_int, default=None,
+                   help="prompt tokens per request, at most (default: the model's positions); a text that cannot "
+                        "fit is refused before it is tokenized")
+    s.add_argument("--shutdown-grace", type=_seconds, default=120.0,
+                   help="seconds running requests may take to finish on SIGINT/SIGTERM; then they stop and what is "
+                        "queued is dropped")
     s.add_argument("--max-connections", type=_positive_int, default=64,
                    help="open connections and requests at once; beyond it new requests get 503 at once")
     s.add_argument("--body-timeout", type=_seconds, default=30.0,
@@ -520,6 +532,11 @@ def main(argv=None) -> int:
                         "default: none, browsers' cross-origin requests are refused)")
     s.set_defaults(fn=_serve)
     args = p.parse_args(argv)
+    if args.command in SHARES_THE_MACHINE:
+        # OpenMP's default spins while it waits for work; on a busy machine that loses most of a
+        # process's fair share (docs/benchmarks.md, "Threads on a busy machine"). Read when torch
+        # loads OpenMP, so set before the command imports it; an explicit setting wins.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         return args.fn(args)
     except (ValueError, TypeError, OSError, ImportError) as e:  # OSError: missing files, permissions, full disk

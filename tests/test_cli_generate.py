@@ -103,6 +103,24 @@ def test_threads_and_int8_kv_entries(byte_model, byte_model_dir, capsys):
     assert out == structkv.generate(byte_model, "Hello there", max_new_tokens=12, compile=False).text + "\n"
 
 
+def test_generate_and_serve_wait_passively_unless_told(byte_model_dir, monkeypatch, capsys, tmp_path):
+    """OMP_WAIT_POLICY=PASSIVE for the commands that share the machine (set before torch would
+    read it in a fresh process); an explicit setting wins; eval keeps OpenMP's default."""
+    import os
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert _gen(byte_model_dir, "Hi", "--no-stream") == 0
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert _gen(byte_model_dir, "Hi", "--no-stream") == 0
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert main(["eval", "ruler", "--model", str(byte_model_dir), "--out", str(tmp_path / "e"), "--samples", "1",
+                 "--first", "-1"]) == 2  # parsed (the policy step ran), then refused
+    assert "OMP_WAIT_POLICY" not in os.environ
+    capsys.readouterr()
+
+
 def test_help_explains_every_option(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])

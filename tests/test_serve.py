@@ -322,6 +322,26 @@ def test_a_half_sent_body_is_answered_408_within_the_timeout(chat_model):
         assert time.monotonic() - t0 < 10
 
 
+def test_prompt_token_limit_and_oversized_text_refused_before_tokenizing(chat_model, monkeypatch):
+    """--max-prompt-tokens bounds each request; a text too long to fit whatever its tokens is
+    refused without being tokenized (a 15 MiB document used to take 14 s of CPU and GBs first)."""
+    calls = []
+    encode = chat_model.tokenizer.encode
+    monkeypatch.setattr(chat_model.tokenizer, "encode",
+                        lambda text, **kw: calls.append(len(text)) or encode(text, **kw))
+    with Background(build(chat_model, settings(max_prompt_tokens=40))) as srv:
+        ask = {"model": NAME, "messages": [{"role": "user", "content": "word " * 60}], "max_tokens": 2}
+        r = post(srv, "/v1/chat/completions", ask)
+        assert r.status_code == 400 and "--max-prompt-tokens" in r.json()["error"]["message"]
+        calls.clear()
+        t0 = time.monotonic()
+        r = post(srv, "/v1/chat/completions", {**ask, "messages": [{"role": "user", "content": "w" * 5_000_000}]})
+        assert r.status_code == 400 and "before tokenizing" in r.json()["error"]["message"]
+        assert calls == [] and time.monotonic() - t0 < 10
+        ok = post(srv, "/v1/chat/completions", {**ask, "messages": [{"role": "user", "content": "hi"}]})
+        assert ok.status_code == 200
+
+
 class Gate:
     """Slows every generated token of a server's engine so that requests overlap for sure."""
 
@@ -420,3 +440,38 @@ def test_shutdown_lets_running_requests_finish(chat_model, monkeypatch):
     srv.stop()  # what SIGTERM does: stop accepting, finish what runs, close the engine
     t.join(30)
     assert result["r"].status_code == 200 and result["r"].json()["choices"][0]["message"]["content"] == want
+
+
+def test_shutdown_after_the_grace_period_drops_queued_work(chat_model, monkeypatch):
+    """When the grace period ends, running requests stop at their next token and queued ones are
+    dropped: nothing is generated for clients that are gone, and the server stops promptly."""
+    import structkv.serve.engine as engine_module
+
+    Gate(monkeypatch, 0.05)
+    produced = []
+    slow = engine_module.generate
+
+    def counting(*a, stream, **kw):
+        return slow(*a, stream=lambda tokens: produced.append(1) or stream(tokens), **kw)
+
+    monkeypatch.setattr(engine_module, "generate", counting)
+    body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 30, "temperature": 0}
+    srv = Background(build(chat_model, settings()), grace_s=0.5)
+
+    def ask():
+        try:
+            post(srv, "/v1/chat/completions", body)
+        except httpx.HTTPError:
+            pass  # the server went away mid-request: expected
+
+    clients = [threading.Thread(target=ask) for _ in range(3)]
+    for c in clients:
+        c.start()
+    time.sleep(0.5)  # one request running (30 tokens take 1.5 s), two queued
+    t0 = time.monotonic()
+    srv.stop()
+    stopped = time.monotonic() - t0
+    for c in clients:
+        c.join(30)
+    assert stopped < 8
+    assert len(produced) < 45  # three whole answers would be 90 tokens

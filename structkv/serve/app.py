@@ -94,7 +94,11 @@ async def _answer(engine: Engine, request: HTTPRequest, kind: str, endpoint: str
         engine.metrics.request(endpoint, 200)
         return StreamingResponse(_events(engine, job, t0), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    kind_, payload = await _result(job, request)
+    try:
+        kind_, payload = await _result(job, request)
+    except asyncio.CancelledError:  # the server's grace period ended: the job stops at its next token
+        job.cancel()
+        raise
     if kind_ == "done":
         engine.metrics.request(endpoint, 200)
         engine.metrics.observe("request_seconds", time.perf_counter() - t0)

@@ -34,6 +34,9 @@ log = logging.getLogger("structkv.serve")
 SEPARATOR = "\n\n"  # between an explicit context and the first user message's own content
 
 
+TOKENIZING = 2  # requests tokenized at once (a large document's ids and text are both in memory)
+NORMALIZATION_SLACK = 4  # characters a normalizer may fold into one before tokens are counted
+
 @dataclass
 class Settings:
     """What `structkv serve` was started with (see its --help)."""
@@ -50,6 +53,7 @@ class Settings:
     room: int = 512  # free slots kept after a cached context for a question and its answer
     min_context_tokens: int = 256  # a conversation's history shorter than this is not cached
     compile: object = "auto"
+    max_prompt_tokens: int | None = None  # per request, prompt tokens (None: the model's positions)
 
     def __post_init__(self):
         for name in ("kv_budget", "struct_budget"):
@@ -96,6 +100,10 @@ class Engine:
             self.method_for(Request(kind="chat", model=settings.model_name))
         except APIError as e:
             raise ValueError(f"--method/--kv-budget: {e.message}") from None
+        positions = model.config.max_position_embeddings
+        self.prompt_limit = min(settings.max_prompt_tokens or positions, positions)
+        self._longest_token = model.tokenizer.longest_token()
+        self._tokenizing = threading.Semaphore(TOKENIZING)
         self._queue: queue.Queue = queue.Queue(maxsize=settings.max_queue)
         self._busy = threading.Event()
         self._thread = threading.Thread(target=self._work, name="structkv-engine", daemon=True)
@@ -122,7 +130,10 @@ class Engine:
         return method, (name, *sorted(budgets.items()))
 
     def prepare(self, req: Request, loop) -> Job:
-        """Check and tokenize a request (in a thread of the server's pool: long documents take a while)."""
+        """Check and tokenize a request (in a thread of the server's pool: long documents take a while).
+        A text that cannot fit is refused before tokenizing (its characters against the prompt limit
+        times the longest token), and at most `TOKENIZING` requests tokenize at once, so large
+        bodies cannot pile up in memory."""
         if req.model != self.settings.model_name:
             raise APIError(404, f"model {req.model[:100]!r} is not served here; this server has "
                            f"{self.settings.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
@@ -131,15 +142,30 @@ class Engine:
         if max_new > self.settings.max_tokens:
             raise bad("max_tokens", f"max_tokens {max_new} is over this server's limit of {self.settings.max_tokens} "
                       "new tokens per request (structkv serve --max-tokens)")
-        prefix, rest = self._split(req)
+        self._refuse_oversized_text(req)
+        with self._tokenizing:
+            prefix, rest = self._split(req)
         method, key = self.method_for(req, context=prefix is not None)
         limit = self.model.config.max_position_embeddings
         total = len(prefix or ()) + len(rest)
+        if total > self.prompt_limit:
+            raise APIError(400, f"this request has {total} prompt tokens, over this server's limit of "
+                           f"{self.prompt_limit} (structkv serve --max-prompt-tokens)",
+                           param="messages" if req.kind == "chat" else "prompt", code="context_length_exceeded")
         if total + max_new - 1 > limit:
             raise APIError(400, f"this request has {total} prompt tokens and asks for {max_new} new ones, over the "
                            f"model's {limit} positions; shorten the context or ask for fewer tokens",
                            param="messages" if req.kind == "chat" else "prompt", code="context_length_exceeded")
         return Job(req, method, key, prefix, rest, max_new, loop)
+
+    def _refuse_oversized_text(self, req: Request) -> None:
+        chars = len(req.prompt or "") + len(req.context or "") + sum(len(m["content"]) for m in req.messages or ())
+        # NORMALIZATION_SLACK: a tokenizer's normalizer may merge characters (composed accents)
+        most = self.prompt_limit * self._longest_token * NORMALIZATION_SLACK
+        if chars > most:
+            raise APIError(400, f"this request's text has {chars} characters, more than {self.prompt_limit} prompt "
+                           "tokens can hold; refused before tokenizing (shorten the context)",
+                           param="messages" if req.kind == "chat" else "prompt", code="context_length_exceeded")
 
     def submit(self, job: Job) -> None:
         try:
@@ -179,7 +205,17 @@ class Engine:
         return self._queue.qsize() + int(self._busy.is_set())
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish what is queued and running, then stop the worker."""
+        """Stop the worker once the running job ends. Called when the server shuts down, after its
+        grace period: a job still queued then has no client left (its request finished or was
+        cancelled), so it is dropped, never run for nobody."""
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+                self.metrics.add("cancelled")
         self._queue.put(None)
         self._thread.join(timeout)
 

@@ -55,6 +55,12 @@ class Tokenizer:
     def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def longest_token(self) -> int:
+        """Characters in the vocabulary's longest token string (a token string has at least as many
+        characters as the text it decodes to): a text of n characters takes at least n / this
+        many tokens."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+
     def tokens(self, text: str) -> list[str]:
         """The token strings of `text` (no BOS); handy for checking a tokenizer by eye."""
         return self._tok.encode(text, add_special_tokens=False).tokens
