@@ -90,19 +90,20 @@ class LayerKVCache(nn.Module):
         the buffers themselves when not quantized, else a dequantized copy."""
         if self.kv_dtype is None:
             return self.k, self.v
-        half = len(self.planes) // 2
-        planes = [getattr(self, name) for name in self.planes]
-        dtype = dtype or torch.float32
-        return (dequantize_kv(planes[:half], self.kv_dtype, dtype), dequantize_kv(planes[half:], self.kv_dtype, dtype))
+        return tuple(dequantize_kv(side, self.kv_dtype, dtype or torch.float32) for side in self._sides())
 
     def attend(self, q: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
         """One query token per row over this layer's entries: q (B, Hq, 1, D), mask (B, 1|Hkv, 1, C)
         -> (B, Hq, 1, D). Quantized entries are read by `structkv::quantized_decode_attention`."""
         if self.kv_dtype is None:
             return decode_attention(q, self.k, self.v, mask, scale)
-        half = len(self.planes) // 2
+        k_planes, v_planes = self._sides()
+        return quantized_decode_attention(q, k_planes, v_planes, mask, scale, self.kv_dtype)
+
+    def _sides(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The planes of k and of v (codes, then their tables)."""
         planes = [getattr(self, name) for name in self.planes]
-        return quantized_decode_attention(q, planes[:half], planes[half:], mask, scale, self.kv_dtype)
+        return planes[:len(planes) // 2], planes[len(planes) // 2:]
 
     @property
     def capacity(self) -> int:
