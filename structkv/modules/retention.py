@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .scores import share_of
+from .scores import ranked_columns, share_of
 from .selection import select_tokens
 
 
@@ -99,8 +99,7 @@ class GuidedRetention(Retention):
     def _scores(self, held: _Held) -> torch.Tensor:
         if self.guide is None:
             return held.scores
-        n = held.valid.shape[1]
-        ranked = held.valid & (torch.arange(n, device=held.valid.device) < n - self.method.window)  # (B, n)
+        ranked = ranked_columns(held.valid, self.method.window)  # (B, n)
         g = self.guide.gather(2, held.columns[:, None].expand(-1, self.guide.shape[1], -1))  # (B, Hg, n)
         return share_of(held.scores, ranked) + self.beta * share_of(g, ranked)
 

@@ -28,6 +28,12 @@ def received_attention(q, k, pos, scale: float, block: int = H2O_QUERY_BLOCK) ->
     return out
 
 
+def ranked_columns(valid: torch.Tensor, window: int) -> torch.Tensor:
+    """(B, n) the columns a selection ranks: valid and before the always-kept last `window`."""
+    n = valid.shape[1]
+    return valid & (torch.arange(n, device=valid.device) < n - window)
+
+
 def share_of(x: torch.Tensor, ranked: torch.Tensor) -> torch.Tensor:
     """x (B, H, n) as each column's share of its (B, H) sum over the ranked columns (B, n); zero
     elsewhere. Puts scores of different kinds on one scale before they are added."""

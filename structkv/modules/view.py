@@ -13,7 +13,7 @@ import torch
 
 from ..ops import window_scores
 from ..timing import NO_TIMER, Timer
-from .scores import key_novelty, last_query_logits, percentile_of, received_attention, share_of
+from .scores import key_novelty, last_query_logits, percentile_of, ranked_columns, received_attention, share_of
 
 
 @dataclass
@@ -84,8 +84,7 @@ class LayerView:
             return self.window_scores(window)
         if kind == "novelty":
             return self.key_novelty()
-        n = self.k.shape[2]
-        ranked = self.valid & (torch.arange(n, device=self.k.device) < n - window)  # (B, n)
+        ranked = ranked_columns(self.valid, window)  # (B, n)
         blend = share_of if kind == "mixed" else percentile_of
         a, b = blend(self.window_scores(window), ranked), blend(self.key_novelty(), ranked)
         return a + b if kind == "mixed" else torch.maximum(a, b)
