@@ -23,7 +23,8 @@ QUESTIONS = ["What is this text about?", "Who or what is mentioned first?", "Sum
 TASKS = ["qasper", "narrativeqa", "gov_report", "multifieldqa_en", "hotpotqa"]
 
 
-def documents(tokenizer, k: int, tokens: int) -> list[str]:
+def documents(tokenizer, k: int, tokens: int, every: bool = False) -> list[str]:
+    """k documents of `tokens` tokens: the first long enough of each task (`every`: all of them)."""
     from structkv.harness.eval.longbench import task_file
 
     docs = []
@@ -32,23 +33,27 @@ def documents(tokenizer, k: int, tokens: int) -> list[str]:
             ids = tokenizer.encode(json.loads(line)["context"], add_bos=False)
             if len(ids) >= tokens:
                 docs.append(tokenizer.decode(ids[:tokens]))
-                break
+                if not every or len(docs) == k:
+                    break
         if len(docs) == k:
             return docs
     raise ValueError(f"the bundled LongBench subset has fewer than {k} documents of {tokens} tokens")
 
 
-def one(client, model, doc, question, max_tokens, api) -> dict:
+def one(client, model, doc, question, max_tokens, api, context: bool = True) -> dict:
     """One streamed request; the document goes in the `context` field (chat: before the question in
-    the user turn; completions: before the prompt)."""
+    the user turn; completions: before the prompt), or with `context=False` into the prompt itself
+    (compressed whole, question included)."""
     t0 = time.perf_counter()
     first, stats, n = None, None, 0
     common = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True,
-                  stream_options={"include_usage": True}, extra_body={"context": doc})
+                  stream_options={"include_usage": True}, extra_body={"context": doc} if context else None)
+    head = "" if context else doc
     if api == "chat":
-        parts = client.chat.completions.create(messages=[{"role": "user", "content": question}], **common)
+        parts = client.chat.completions.create(
+            messages=[{"role": "user", "content": f"{head}\n\n{question}" if head else question}], **common)
     else:
-        parts = client.completions.create(prompt=f"\n\nQuestion: {question}\nAnswer:", **common)
+        parts = client.completions.create(prompt=f"{head}\n\nQuestion: {question}\nAnswer:", **common)
     for part in parts:
         new = part.choices and (part.choices[0].delta.content if api == "chat" else part.choices[0].text)
         if new and first is None:

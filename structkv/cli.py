@@ -325,12 +325,10 @@ def _serve(args) -> int:
     try:
         from structkv.serve import build
         from structkv.serve.engine import Settings
-        from structkv.serve.launch import uvicorn_config
+        from structkv.serve.launch import Server, uvicorn_config
     except ImportError as e:
         raise ImportError(f"structkv serve needs its extra ({e.name} is missing): pip install 'structkv[serve]'") \
             from None
-    import uvicorn
-
     import structkv
 
     if args.threads:
@@ -347,14 +345,19 @@ def _serve(args) -> int:
     settings = Settings(model_name=args.served_name or args.model, method=args.method,
                         context_method=args.context_method, kv_budget=args.kv_budget,
                         struct_budget=args.struct_budget, cache_bytes=args.cache_bytes, max_queue=args.max_queue,
-                        max_tokens=args.max_tokens, room=args.room, min_context_tokens=args.min_context_tokens,
+                        max_batch=args.max_batch, max_tokens=args.max_tokens, room=args.room,
+                        min_context_tokens=args.min_context_tokens,
                         compile={"auto": "auto", "always": True, "never": False}[args.compile],
                         max_prompt_tokens=args.max_prompt_tokens)
     model = structkv.load(args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype)
     app = build(model, settings, max_request_bytes=args.max_request_bytes, api_key=api_key, allowed_hosts=hosts,
                 allowed_origins=args.allow_origin or (), body_timeout_s=args.body_timeout)
-    uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                  max_connections=args.max_connections, grace_s=args.shutdown_grace)).run()
+    server = Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   max_connections=args.max_connections, grace_s=args.shutdown_grace))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it handled again once it has shut down
+        return 130
     return 0
 
 
@@ -500,6 +503,8 @@ def main(argv=None) -> int:
     s.add_argument("--cache-bytes", type=_bytes, default=1 << 30,
                    help="bound on the compressed contexts kept between requests, e.g. 512MiB (0: no cache)")
     s.add_argument("--max-queue", type=_positive_int, default=16, help="requests waiting before 503 + Retry-After")
+    s.add_argument("--max-batch", type=_positive_int, default=8,
+                   help="requests decoding together, one step for all (continuous batching); 1: one at a time")
     s.add_argument("--max-tokens", type=_positive_int, default=1024, help="new tokens per request, at most")
     s.add_argument("--max-request-bytes", type=_bytes, default=16 << 20, help="request body size, at most")
     s.add_argument("--room", type=_positive_int, default=512,

@@ -131,22 +131,72 @@ def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, tem
         raise ValueError("prompt is empty: give text, token ids or a non-empty list of prompts")
     backend, decode_backend = _backends(model, compile, max_new_tokens)
     decode = compiled_decode(decode_backend) if decode_backend else _decode
+    t0 = time.perf_counter()
+    run = start(model, prompt, max_new_tokens=max_new_tokens, method=method, state=state, backend=backend,
+                decode_backend=decode_backend, timing=timing)
+    sync(model.device)
+    t1 = time.perf_counter()
+    cache, stats, B = run.cache, run.stats, run.logits.shape[0]
+    generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
+    ids, steps = _decode_loop(model, run.logits, run.next_pos, cache, max_new_tokens, temperature, top_k, top_p,
+                              stop_at_eos, generator, decode, stream)
+    sync(model.device)
+    t2 = time.perf_counter()
+    texts = [model.tokenizer.decode(r) for r in ids] if model.tokenizer is not None else [None] * B
+    stats.update({
+        "prompt_tokens": run.lengths if run.batched else run.lengths[0],
+        "new_tokens": steps,
+        "prefill_s": t1 - t0,
+        "decode_s": t2 - t1,
+        "decode_tokens_per_s": (steps - 1) * B / (t2 - t1) if steps > 1 and t2 > t1 else float("nan"),
+        "kv_cache_bytes": sum(layer.nbytes() for layer in cache.layers),  # allocated, room included
+        "kv_bytes_kept": run.kept,
+        "kv_entries": sum(int((layer.pos >= 0).sum()) for layer in cache.layers),
+        "compiled_parts": [part for part, b in (("prefill", backend), ("decode", decode_backend)) if b],
+    })
+    if decode_backend == "inductor":
+        mark_warm(model, "decode")
+    if run.batched:
+        return GenerationResult(texts, ids, stats, run.prefill)
+    return GenerationResult(texts[0], ids[0], stats, run.prefill)
+
+
+@dataclass
+class Started:
+    """A generation after its prompt pass, before its first new token: the cache (with room for the
+    new tokens), the last logits (B, V), the next position of every row (B, 1), the tokens per row
+    so far, the call's stats so far, the compression's typed stats (None for `full`), and the bytes
+    the compression kept of the prompt (of the context, from a state) before anything is appended.
+    `generate` decodes it alone; `structkv serve` decodes many together (`structkv.serve.batcher`)."""
+
+    cache: object
+    logits: torch.Tensor
+    next_pos: torch.Tensor
+    lengths: list[int]
+    stats: dict
+    prefill: PrefillStats | None
+    kept: int
+    batched: bool
+
+
+def start(model, prompt, *, max_new_tokens: int, method=None, state=None, backend=None, decode_backend=None,
+          timing: bool = False) -> Started:
+    """The prompt pass of `generate` (see there): compress `prompt` with `method`, run it whole, or
+    append it to a copy of `state`'s compressed context; `backend` / `decode_backend`: compile the
+    prefill / a one-token prompt's step (None: eager)."""
     limit = model.config.max_position_embeddings
     stats: dict = {}
     prefill = None
-    t0 = time.perf_counter()
     if state is not None:
         if method is not None:
             raise ValueError("pass either method= (compress this prompt) or state= (reuse a compressed context)")
         cache, logits, next_pos, lengths = _extend_state(model, state, prompt, max_new_tokens)
-        B = logits.shape[0]
-        batched = B > 1
+        batched = logits.shape[0] > 1
         prefill = state.stats
         stats.update(state.stats.items())
     else:
         batched = is_batch(prompt)
         tokens, positions, lengths = encode_batch(model, prompt if batched else [prompt])
-        B, S = tokens.shape
         if max(lengths) + max_new_tokens - 1 > limit:  # the last new token is never fed back
             raise ValueError(
                 f"prompt of {max(lengths)} tokens + {max_new_tokens} new tokens exceeds the model's "
@@ -164,32 +214,8 @@ def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, tem
             cache, logits = _full_prefill(model, tokens, positions, max_new_tokens, backend, decode_backend, limit)
             next_pos = torch.tensor(lengths, device=model.device)[:, None]  # (B, 1)
             stats["method"] = "full"
-    sync(model.device)
-    t1 = time.perf_counter()
-    # What the compression kept of the prompt (of the context, from a state), before anything is appended.
     kept = sum(state.cache.nbytes()) if state is not None else sum(cache.nbytes())
-    generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
-    ids, steps = _decode_loop(model, logits, next_pos, cache, max_new_tokens, temperature, top_k, top_p,
-                              stop_at_eos, generator, decode, stream)
-    sync(model.device)
-    t2 = time.perf_counter()
-    texts = [model.tokenizer.decode(r) for r in ids] if model.tokenizer is not None else [None] * B
-    stats.update({
-        "prompt_tokens": lengths if batched else lengths[0],
-        "new_tokens": steps,
-        "prefill_s": t1 - t0,
-        "decode_s": t2 - t1,
-        "decode_tokens_per_s": (steps - 1) * B / (t2 - t1) if steps > 1 and t2 > t1 else float("nan"),
-        "kv_cache_bytes": sum(layer.nbytes() for layer in cache.layers),  # allocated, room included
-        "kv_bytes_kept": kept,
-        "kv_entries": sum(int((layer.pos >= 0).sum()) for layer in cache.layers),
-        "compiled_parts": [part for part, b in (("prefill", backend), ("decode", decode_backend)) if b],
-    })
-    if decode_backend == "inductor":
-        mark_warm(model, "decode")
-    if batched:
-        return GenerationResult(texts, ids, stats, prefill)
-    return GenerationResult(texts[0], ids[0], stats, prefill)
+    return Started(cache, logits, next_pos, lengths, stats, prefill, kept, batched)
 
 
 STOP_CHECK_EVERY = 8  # decode steps between host checks of "every row has stopped"

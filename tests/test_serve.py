@@ -343,26 +343,26 @@ def test_prompt_token_limit_and_oversized_text_refused_before_tokenizing(chat_mo
 
 
 class Gate:
-    """Slows every generated token of a server's engine so that requests overlap for sure."""
+    """Slows every generated token of a server's engine so that requests overlap for sure; counts
+    the tokens in `produced`."""
 
     def __init__(self, monkeypatch, delay):
         import structkv.serve.engine as engine
 
-        real = engine.generate
+        real, self.produced = engine._Run.on_token, []
 
-        def slow(*a, stream, **kw):
-            def wrapped(tokens):
-                time.sleep(delay)
-                return stream(tokens)
-            return real(*a, stream=wrapped, **kw)
+        def slow(run, token):
+            time.sleep(delay)
+            self.produced.append(token)
+            return real(run, token)
 
-        monkeypatch.setattr(engine, "generate", slow)
+        monkeypatch.setattr(engine._Run, "on_token", slow)
 
 
 def test_full_queue_answers_503_with_retry_after(chat_model, monkeypatch):
     Gate(monkeypatch, 0.05)
     body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 40, "temperature": 0}
-    with Background(build(chat_model, settings(max_queue=1))) as srv:
+    with Background(build(chat_model, settings(max_queue=1, max_batch=1))) as srv:
         codes = []
         threads = [threading.Thread(target=lambda: codes.append(post(srv, "/v1/chat/completions", body).status_code))
                    for _ in range(2)]
@@ -395,6 +395,28 @@ def test_disconnect_mid_stream_frees_the_model(chat_model, monkeypatch):
         assert out["structkv"]["queue_s"] < 1.0 and time.perf_counter() - t0 < 2.5
         metrics = httpx.get(srv.url + "/metrics", timeout=10).text
         assert "structkv_cancelled_total 2" in metrics
+
+
+def test_concurrent_requests_decode_in_one_batch(chat_model, monkeypatch):
+    """Three slowed requests overlap: they share decode steps (continuous batching) and each gets
+    its lone answer; with --max-batch 1 they run one at a time."""
+    Gate(monkeypatch, 0.02)
+    asks = [[{"role": "user", "content": f"Question {i}: {QUESTIONS[i]}"}] for i in range(3)]
+    for max_batch, shared in ((8, True), (1, False)):
+        got = {}
+        with Background(build(chat_model, settings(max_batch=max_batch))) as srv:
+            def ask(i):
+                got[i] = post(srv, "/v1/chat/completions", {"model": NAME, "messages": asks[i], "max_tokens": 24,
+                                                            "temperature": 0}, timeout=120).json()
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        rows = [got[i]["structkv"]["batch_rows_max"] for i in range(3)]
+        assert (max(rows) > 1) == shared, rows
+        assert [got[i]["choices"][0]["message"]["content"] for i in range(3)] == [
+            alone(chat_model, a, max_new=24) for a in asks]
 
 
 def test_cache_is_bounded_in_bytes(chat_model):
@@ -445,18 +467,9 @@ def test_shutdown_lets_running_requests_finish(chat_model, monkeypatch):
 def test_shutdown_after_the_grace_period_drops_queued_work(chat_model, monkeypatch):
     """When the grace period ends, running requests stop at their next token and queued ones are
     dropped: nothing is generated for clients that are gone, and the server stops promptly."""
-    import structkv.serve.engine as engine_module
-
-    Gate(monkeypatch, 0.05)
-    produced = []
-    slow = engine_module.generate
-
-    def counting(*a, stream, **kw):
-        return slow(*a, stream=lambda tokens: produced.append(1) or stream(tokens), **kw)
-
-    monkeypatch.setattr(engine_module, "generate", counting)
+    produced = Gate(monkeypatch, 0.05).produced
     body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 30, "temperature": 0}
-    srv = Background(build(chat_model, settings()), grace_s=0.5)
+    srv = Background(build(chat_model, settings(max_batch=1)), grace_s=0.5)
 
     def ask():
         try:
@@ -475,3 +488,73 @@ def test_shutdown_after_the_grace_period_drops_queued_work(chat_model, monkeypat
         c.join(30)
     assert stopped < 8
     assert len(produced) < 45  # three whole answers would be 90 tokens
+
+
+def test_shutdown_after_the_grace_period_stops_a_running_batch(chat_model, monkeypatch):
+    """Requests decoding together are all stopped when the grace period ends."""
+    produced = Gate(monkeypatch, 0.05).produced
+    body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 60, "temperature": 0}
+    srv = Background(build(chat_model, settings()), grace_s=0.5)
+    clients = [threading.Thread(target=lambda: _ignore_errors(post, srv, "/v1/chat/completions", body))
+               for _ in range(3)]
+    for c in clients:
+        c.start()
+    time.sleep(0.6)  # all three in the batch: 60 tokens each take at least 3 s
+    t0 = time.monotonic()
+    srv.stop()
+    stopped = time.monotonic() - t0
+    for c in clients:
+        c.join(30)
+    assert stopped < 8 and len(produced) < 120  # three whole answers would be 180 tokens
+
+
+def _ignore_errors(f, *a):
+    try:
+        f(*a)
+    except httpx.HTTPError:
+        pass  # the server went away mid-request: expected
+
+
+def test_a_second_signal_ends_the_server_at_once(chat_dir):
+    """SIGINT starts the graceful shutdown, which waits for an open half-sent body and a running
+    generation; a second SIGINT exits at once with status 130 (it used to end in SIGABRT)."""
+    import argparse
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = "import sys; from structkv.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--model", str(chat_dir), "--port", str(port),
+                             "--method", "snapkv", "--compile", "never", "--body-timeout", "60",
+                             "--shutdown-grace", "60"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        busy = threading.Thread(target=_ignore_errors, args=(post, argparse.Namespace(url=url), "/v1/completions",
+                                {"model": str(chat_dir), "prompt": "x" * 500, "max_tokens": 1000}), daemon=True)
+        busy.start()  # the model thread is inside a generation when the signals come
+        held = socket.create_connection(("127.0.0.1", port))
+        held.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{")
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert proc.poll() is None  # waiting for the half-sent body, as a graceful shutdown does
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == 130 and time.monotonic() - t0 < 5
+        held.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Abort" not in proc.stdout.read()

@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.attention import CAUSAL_BLOCK, causal_attention, decode_attention, sliding_window_attention, visible
+from . import linear
 from .config import ModelConfig, inv_frequencies
+from .linear import Linear, skinny
 
 # What an `on_layer` hook returns to end `Decoder.run` early (no token needs the deeper layers).
 STOP = "stop"
@@ -67,10 +69,10 @@ class Attention(nn.Module):
         self.window = cfg.window(layer)
         self.scale = cfg.scale
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, plus_one=cfg.gemma_norms)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, plus_one=cfg.gemma_norms)
@@ -146,9 +148,9 @@ def run_block(block: "Block", h: torch.Tensor, positions: torch.Tensor, cos: tor
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gelu = cfg.activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -278,14 +280,16 @@ class Decoder(nn.Module):
         return {t: rope_cos_sin(getattr(self, f"inv_freq_{t}"), positions, self.dtype) for t in self.rope_types}
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits (..., V) of hidden states (..., E). On CPU, 5 to 15 rows (B, E) go as W @ h^T: the
-        GEMM for (B, E) @ (E, V) at those B is much slower at a large vocabulary on torch's CPU
-        kernels (docs/benchmarks.md), and a stacked decode of many methods' rows runs it every step."""
+        """Logits (..., V) of hidden states (..., E). On CPU with float32 weights, up to
+        `linear.HEAD_ROWS` rows (B, E) go as W @ h^T (`linear.skinny`): torch runs (B, E) @ (E, V) at
+        a large vocabulary as a matrix-vector product per row (Gemma's 262K x 640 head, 2 threads:
+        43 ms for one row, 89 for two, 138 for three; as W @ h^T 22, 19, 24 ms), and every decode
+        step runs it, alone or for a batch of requests."""
         h = self.model.norm(h)
         if self.int8_head is not None and h.dim() == 2 and h.shape[0] == 1:  # decode of one row
             return self.int8_head.logits(h)
-        if self.weights == "fp32" and h.dim() == 2 and h.device.type == "cpu" and 4 < h.shape[0] < 16:
-            return torch.mm(self.lm_head.weight, h.t()).t().float()  # (V, E) @ (E, B) -> (B, V)
+        if self.weights == "fp32" and h.dim() == 2 and h.device.type == "cpu" and h.shape[0] <= linear.HEAD_ROWS:
+            return skinny(h, self.lm_head.weight).float()
         return self.lm_head(h).float()
 
     # ------------------------------------------------------------------ the forward

@@ -170,6 +170,17 @@ class LayerKVCache(nn.Module):
             getattr(self, name).index_put_(where, src)
         self.pos.index_put_(where, positions[:, None, :].expand(B, H, S))
 
+    def take_rows(self, rows: torch.Tensor) -> "LayerKVCache":
+        """A new layer with only these batch rows (an index tensor), the same slots and cursor: what a
+        batch keeps when some of its rows leave (`structkv.serve.batcher`)."""
+        H, C = self.pos.shape[1:]
+        out = LayerKVCache(len(rows), H, C, self.head_dim, self.k.dtype, self.pos.device, window=self.window,
+                           kv_dtype=self.kv_dtype)
+        for name in (*self.planes, "pos"):
+            getattr(out, name).copy_(getattr(self, name).index_select(0, rows))
+        out.cursor.copy_(self.cursor)
+        return out
+
     def entry_bytes(self) -> int:
         """Bytes one (token, KV head) entry takes, K and V, scale tables included."""
         return sum(getattr(self, name)[0, 0, 0].numel() * getattr(self, name).element_size() for name in self.planes)
@@ -211,6 +222,13 @@ class KVCache(nn.Module):
     def clone(self) -> "KVCache":
         """An independent copy (compress once, ask many: each question extends its own copy)."""
         return copy.deepcopy(self)
+
+    def take_rows(self, rows: list[int]) -> "KVCache":
+        """A new cache with only these batch rows, in this order (the rest are dropped)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.layers[0].pos.device)
+        out = KVCache()
+        out.layers = nn.ModuleList(layer.take_rows(index) for layer in self.layers)
+        return out
 
 
 class StaticKVCache(KVCache):
@@ -290,24 +308,27 @@ class StackedKVCache(KVCache):
     """The rows of several caches of one model as one batch, so one decode step serves them all
     (e.g. every method's compressed prompt: the weights are read once per step, not once per method).
 
-    Full-attention layers are padded to a common capacity (the largest cursor plus the smallest free
-    room, rounded up like every cache) and written at the largest cursor: a row with fewer entries
-    keeps empty slots (position -1, never attended to). Sliding layers become rings of the window
-    when any row has one: a row whose layer is not a ring holds fewer than `window` positions, all
-    of which fit the ring.
+    Full-attention layers are padded to a common capacity (the largest cursor plus `room`, by
+    default the smallest free room of the parts, rounded up like every cache) and written at the
+    largest cursor: a row with fewer entries keeps empty slots (position -1, never attended to).
+    Sliding layers become rings of the window when any row has one, or when `windows` (the model's
+    window per layer, `ModelConfig.window`) says the padded capacity would pass the window: a row
+    whose layer is not a ring holds fewer than `window` positions, all of which fit the ring.
     """
 
-    def __init__(self, caches: list):
+    def __init__(self, caches: list, room: int | None = None, windows: list[int | None] | None = None):
         super().__init__()
         if not caches:
             raise ValueError("nothing to stack: give at least one cache")
         if len({len(c.layers) for c in caches}) != 1:
             raise ValueError("caches of different models (layer counts differ) cannot be stacked")
-        self.layers = nn.ModuleList(_stack_layer([c.layers[i] for c in caches]) for i in range(len(caches[0].layers)))
+        windows = windows or [None] * len(caches[0].layers)
+        self.layers = nn.ModuleList(_stack_layer([c.layers[i] for c in caches], room, windows[i])
+                                    for i in range(len(caches[0].layers)))
         self.rows = [c.layers[0].k.shape[0] for c in caches]
 
 
-def _stack_layer(parts: list[LayerKVCache]) -> LayerKVCache:
+def _stack_layer(parts: list[LayerKVCache], room: int | None = None, window: int | None = None) -> LayerKVCache:
     first = parts[0]
     _, H, _, _ = first.k.shape
     D, dtype, kv = first.head_dim, first.k.dtype, first.kv_dtype
@@ -317,6 +338,12 @@ def _stack_layer(parts: list[LayerKVCache]) -> LayerKVCache:
     windows = {p.window for p in parts if p.window is not None}
     if len(windows) > 1:
         raise ValueError(f"sliding layers with different windows {sorted(windows)} cannot be stacked")
+    flat = [p for p in parts if p.window is None]
+    cursor = max((int(p.cursor) for p in flat), default=0)
+    if room is None:
+        room = min((p.capacity - int(p.cursor) for p in flat), default=0)
+    if not windows and window is not None and cursor + room > window:
+        windows = {window}  # plain buffers so far, but the stacked one would see past the window
     if windows:
         out = LayerKVCache(batch, H, 0, D, dtype, first.k.device, window=windows.pop(), kv_dtype=kv)
         row = 0
@@ -329,8 +356,7 @@ def _stack_layer(parts: list[LayerKVCache]) -> LayerKVCache:
                 getattr(out, name)[row:row + b] = getattr(ring, name)
             row += b
         return out
-    cursor = max(int(p.cursor) for p in parts)
-    capacity = round_capacity(cursor + min(p.capacity - int(p.cursor) for p in parts))  # one decode graph per size
+    capacity = round_capacity(cursor + room)  # one decode graph per size
     out = LayerKVCache(batch, H, capacity, D, dtype, first.k.device, kv_dtype=kv)
     row = 0
     for p in parts:

@@ -1,11 +1,13 @@
-"""The model behind the server: requests become jobs, one worker thread runs them one at a time.
+"""The model behind the server: requests become jobs, one worker thread runs them in a batch.
 
-Why one at a time: the compressed prefill is per prompt (each method keeps different entries), and
-on the machines this targets one generation already uses every core; a batched decode across
-requests (`generate_states` stacks caches) would help throughput on a GPU and is left for later.
-Requests wait in a bounded queue; when it is full the server answers 503 with Retry-After instead
-of piling up work. A job cancelled (its client went away) before it starts is skipped; a running
-one stops at the next token (the `stream` callback returns True), which frees the model.
+Each job is prefilled alone (its own method and budgets, or its cached context extended by the
+question), then joins the running batch: every running request gets one token per decode step,
+all of them in one step over their stacked caches (`structkv.serve.batcher`, continuous batching),
+up to `max_batch` at once; a request leaves the batch when it ends, and a waiting one joins
+between two steps. A prefill pauses the running requests' decoding while it runs (no chunked
+prefill). Requests wait in a bounded queue; when it is full the server answers 503 with
+Retry-After instead of piling up work. A job cancelled (its client went away) before it starts is
+skipped; a running one leaves the batch at the next step, which frees its place.
 
 A request's tokens are split in two: a context that is compressed once and kept in the
 `ContextCache` (an explicit `context` field, or the conversation before the last user turn when
@@ -22,10 +24,11 @@ import time
 from dataclasses import dataclass, field
 
 from ..compress import prefill
-from ..generation import generate
+from ..generation import _backends, start
 from ..methods import CONTEXT_DEFAULT, Budget, build, has_struct_budget, names
 from ..text import chat
 from ..text.detokenize import StopText
+from .batcher import Batch, Row
 from .context_cache import ContextCache, context_key
 from .metrics import Metrics
 from .protocol import APIError, Request, bad, usage
@@ -48,6 +51,7 @@ class Settings:
     struct_budget: float | int | str | None = None
     cache_bytes: int = 1 << 30
     max_queue: int = 16
+    max_batch: int = 8  # requests decoding together (continuous batching); 1: one at a time
     max_tokens: int = 1024  # per request, new tokens
     default_max_tokens: int = 256  # chat requests without max_tokens
     room: int = 512  # free slots kept after a cached context for a question and its answer
@@ -105,7 +109,8 @@ class Engine:
         self._longest_token = model.tokenizer.longest_token()
         self._tokenizing = threading.Semaphore(TOKENIZING)
         self._queue: queue.Queue = queue.Queue(maxsize=settings.max_queue)
-        self._busy = threading.Event()
+        self._running = 0  # requests in the batch (read by `queued` from the event loop)
+        self._closing = threading.Event()
         self._thread = threading.Thread(target=self._work, name="structkv-engine", daemon=True)
         self._thread.start()
 
@@ -202,12 +207,13 @@ class Engine:
         return None, chat.encode(tok, messages)
 
     def queued(self) -> int:
-        return self._queue.qsize() + int(self._busy.is_set())
+        return self._queue.qsize() + self._running
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop the worker once the running job ends. Called when the server shuts down, after its
-        grace period: a job still queued then has no client left (its request finished or was
+        """Stop the worker at its next step. Called when the server shuts down, after its grace
+        period: a job still queued or running then has no client left (its request finished or was
         cancelled), so it is dropped, never run for nobody."""
+        self._closing.set()
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -221,78 +227,97 @@ class Engine:
 
     # ------------------------------------------------------------------ worker thread
     def _work(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            self._busy.set()
+        compile = self.settings.compile  # the batch's shapes change with every join: compiled only when asked
+        batch = Batch(self.model, compile=None if compile in ("auto", False, None) else
+                      ("inductor" if compile is True else compile))
+        while not self._closing.is_set():
+            if not self._admit(batch):
+                break
+            self._running = len(batch)
             try:
-                self._execute(job)
-            finally:
-                self._busy.clear()
-
-    def _execute(self, job: Job) -> None:
-        if job.cancelled.is_set():
+                ended = batch.step()
+            except Exception as e:  # noqa: BLE001 - the server must keep serving; the log has the traceback
+                log.exception("a decode step failed; its %d requests get an error", len(batch))
+                for row in batch.cancel_all():
+                    row.tag.job.emit("error", _internal(e))
+                ended = []
+            for row in ended:
+                self._finish(row)
+            self._running = len(batch)
+        for row in batch.cancel_all():  # shutting down: what still runs has no client left
             self.metrics.add("cancelled")
-            job.emit("cancelled")
-            return
-        try:
-            job.emit("done", self._generate(job))
-        except ValueError as e:  # a limit only the model could check (e.g. cache room)
-            job.emit("error", APIError(400, str(e), code="invalid_request"))
-        except Exception as e:  # noqa: BLE001 - the server must keep serving; the log has the traceback
-            log.exception("request %s failed", job.req.id)
-            job.emit("error", APIError(500, f"internal error ({type(e).__name__}); the server logged it and keeps "
-                                       "serving", type="server_error", code="internal_error"))
+            row.tag.job.emit("cancelled")
+        self._running = 0
 
-    def _generate(self, job: Job) -> dict:
-        started = time.perf_counter()
-        req, text, first = job.req, StopText(self.model.tokenizer, job.req.stop), []
+    def _admit(self, batch: Batch) -> bool:
+        """Prefill waiting jobs into the batch while it has room (waiting for one when it is empty);
+        False when the engine is closing."""
+        while len(batch) < self.settings.max_batch:
+            try:
+                job = self._queue.get() if len(batch) == 0 else self._queue.get_nowait()
+            except queue.Empty:
+                return True
+            if job is None or self._closing.is_set():
+                return False
+            if job.cancelled.is_set():
+                self.metrics.add("cancelled")
+                job.emit("cancelled")
+                continue
+            self._running = len(batch) + 1
+            try:
+                batch.join(self._start(job))
+            except ValueError as e:  # a limit only the model could check (e.g. cache room)
+                job.emit("error", APIError(400, str(e), code="invalid_request"))
+            except Exception as e:  # noqa: BLE001
+                log.exception("request %s failed", job.req.id)
+                job.emit("error", _internal(e))
+        return True
 
-        def on_token(tokens):
-            if tokens[0] is not None:
-                if not first:
-                    first.append(time.perf_counter())
-                delta = text.push(tokens[0])
-                if delta:
-                    job.emit("delta", delta)
-            return job.cancelled.is_set() or text.stopped
-
-        sampling = dict(max_new_tokens=job.max_new, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                        compile=self.settings.compile, stream=on_token)
-        compress_s, status, state = 0.0, "off", None
+    def _start(self, job: Job) -> Row:
+        """The job's prefill (its cached context extended by the rest, or its whole prompt
+        compressed), as a batch row that streams its text to the job's client."""
+        t0 = time.perf_counter()
+        run = _Run(job, StopText(self.model.tokenizer, job.req.stop), queue_s=t0 - job.arrived)
+        prefill_backend, step_backend = _backends(self.model, self.settings.compile, job.max_new)
+        backend = dict(max_new_tokens=job.max_new, backend=prefill_backend, decode_backend=step_backend)
         if job.prefix is not None:
             need = len(job.rest) + job.max_new
             key = context_key((self.settings.model_name, *job.method_key), job.prefix)
             state = self.cache.get(key, room=need)
-            status = "hit" if state is not None else "miss"
+            run.status = "hit" if state is not None else "miss"
             if state is None:
-                t = time.perf_counter()
                 state = prefill(self.model, job.prefix, job.method, room=max(self.settings.room, need))
-                compress_s = time.perf_counter() - t
+                run.compress_s = time.perf_counter() - t0
                 self.cache.put(key, state)
-            out = generate(self.model, job.rest, state=state, **sampling)
+            run.state = state
+            started = start(self.model, job.rest, state=state, **backend)
         else:
-            out = generate(self.model, job.rest, method=job.method, **sampling)
-        tail = text.finish()
+            started = start(self.model, job.rest, method=job.method, **backend)
+        run.prefill_s = time.perf_counter() - t0
+        req = job.req
+        return Row(started, job.max_new, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                   on_token=run.on_token, tag=run)
+
+    def _finish(self, row: Row) -> None:
+        run, done = row.tag, time.perf_counter()
+        job, started = run.job, row.started
+        tail = run.text.finish()
         if tail:
             job.emit("delta", tail)
         if job.cancelled.is_set():
             self.metrics.add("cancelled")
-        done = time.perf_counter()
-        steps, kept = out.stats["new_tokens"], len(out.token_ids)
-        finish = "stop" if text.stopped or kept < steps or steps < job.max_new else "length"
-        prefill_s = compress_s + out.stats["prefill_s"]
-        ps = state.stats if state is not None else out.prefill
-        stats = {"method": job.method_key[0], "options": dict(job.method_key[1:]), "context_cache": status,
-                 "context_tokens": len(job.prefix or ()), "queue_s": started - job.arrived, "prefill_s": prefill_s,
-                 "time_to_first_token_s": (first[0] if first else done) - job.arrived,
-                 "decode_s": out.stats["decode_s"], "prefill_fraction": ps.prefill_fraction if ps else 1.0,
-                 "pivot_layer": ps.pivot_layer if ps else None, "kv_bytes_kept": out.stats["kv_bytes_kept"],
-                 "kv_bytes_allocated": out.stats["kv_cache_bytes"]}
-        self._account(job, stats, kept, status)
-        return {"text": text.text, "finish_reason": finish, "stats": stats,
-                "usage": usage(job.prompt_tokens, kept, len(job.prefix) if status == "hit" else 0)}
+        ps = run.state.stats if run.state is not None else started.prefill
+        stats = {"method": job.method_key[0], "options": dict(job.method_key[1:]), "context_cache": run.status,
+                 "context_tokens": len(job.prefix or ()), "queue_s": run.queue_s, "prefill_s": run.prefill_s,
+                 "time_to_first_token_s": (run.first or done) - job.arrived, "decode_s": done - row.joined,
+                 "prefill_fraction": ps.prefill_fraction if ps else 1.0,
+                 "pivot_layer": ps.pivot_layer if ps else None, "kv_bytes_kept": started.kept,
+                 "kv_bytes_allocated": sum(layer.nbytes() for layer in started.cache.layers),
+                 "batch_rows_max": row.peers}
+        self._account(job, stats, len(row.tokens), run.status)
+        job.emit("done", {"text": run.text.text, "finish_reason": row.finish, "stats": stats,
+                          "usage": usage(job.prompt_tokens, len(row.tokens),
+                                         len(job.prefix) if run.status == "hit" else 0)})
 
     def _account(self, job: Job, stats: dict, completion_tokens: int, status: str) -> None:
         m = self.metrics
@@ -303,6 +328,37 @@ class Engine:
         m.observe("queue_seconds", stats["queue_s"])
         m.observe("prefill_seconds", stats["prefill_s"])
         m.observe("time_to_first_token_seconds", stats["time_to_first_token_s"])
+
+
+@dataclass
+class _Run:
+    """The engine's record of a request in the batch: its text so far (stop strings cut it) and
+    the figures its answer reports."""
+
+    job: Job
+    text: StopText
+    queue_s: float
+    status: str = "off"  # the context cache: "off" (no context), "hit" or "miss"
+    state: object = None  # the cached context's CompressedState
+    compress_s: float = 0.0
+    prefill_s: float = 0.0
+    first: float | None = None  # when its first token came
+
+    def on_token(self, token: int | None) -> bool:
+        """A new token (None: EOS) -> its text to the client; True ends the row (a stop string,
+        a cancelled client)."""
+        if token is not None:
+            if self.first is None:
+                self.first = time.perf_counter()
+            delta = self.text.push(token)
+            if delta:
+                self.job.emit("delta", delta)
+        return self.job.cancelled.is_set() or self.text.stopped
+
+
+def _internal(e: Exception) -> APIError:
+    return APIError(500, f"internal error ({type(e).__name__}); the server logged it and keeps serving",
+                    type="server_error", code="internal_error")
 
 
 def _split_at_context(tok, messages, context):

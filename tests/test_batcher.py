@@ -1,0 +1,95 @@
+"""Continuous batching (`structkv.serve.batcher`): requests that join and leave a running batch get
+what `generate` gives each of them alone, whatever their methods, budgets, lengths and sampling."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import structkv
+from structkv import methods
+from structkv.generation import start
+from structkv.models.kv_cache import StackedKVCache
+from structkv.serve.batcher import Batch, Row
+
+# (prompt length, method, max new tokens, sampling); seeds make sampled rows repeatable
+REQUESTS = [
+    (40, "full", 9, {}),
+    (120, "snapkv", 5, {}),
+    (70, "structkv", 12, {}),
+    (90, "full", 7, {"temperature": 1.0, "top_p": 0.9, "seed": 3}),
+    (25, "streaming_llm", 10, {"temperature": 0.7, "seed": 11}),
+]
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 90, (n,), generator=g).tolist()
+
+
+def alone(model, ids, name, max_new, sampling):
+    method = None if name == "full" else methods.build(name, kv=0.5, struct=0.5)
+    out = structkv.generate(model, ids, method=method, max_new_tokens=max_new, compile=False, stop_at_eos=False,
+                            **sampling)
+    return out.token_ids
+
+
+def row(model, ids, name, max_new, sampling):
+    method = None if name == "full" else methods.build(name, kv=0.5, struct=0.5)
+    return Row(start(model, ids, max_new_tokens=max_new, method=method), max_new, **sampling)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_rows_joining_and_leaving_get_their_lone_answers(tiny_dir, arch):
+    """Five requests join at different steps (two at once, then one per step) and leave when their
+    token limits differ; a hybrid model's sliding layers go through rings. Greedy and seeded
+    sampled rows both equal `generate` alone."""
+    model = structkv.load(tiny_dir(arch))
+    prompts = [prompt(n, i) for i, (n, *_) in enumerate(REQUESTS)]
+    want = [alone(model, p, name, new, s) for p, (_, name, new, s) in zip(prompts, REQUESTS)]
+    batch = Batch(model)
+    batch.eos = set()  # random weights: never stop early, so every row runs to its limit
+    rows = [row(model, p, name, new, s) for p, (_, name, new, s) in zip(prompts, REQUESTS)]
+    joins = {0: [0, 1], 2: [2], 3: [3], 5: [4]}  # step -> rows joining before it
+    ended, step = [], 0
+    while len(ended) < len(rows):
+        for i in joins.get(step, ()):
+            batch.join(rows[i])
+        ended += batch.step()
+        step += 1
+    assert max(r.peers for r in rows) >= 4  # they really shared steps
+    assert [r.tokens for r in rows] == want
+    assert all(r.finish == "length" for r in rows) and len(batch) == 0 and batch.cache is None
+
+
+def test_a_row_ends_on_eos_or_when_its_callback_says_so(tiny_dir):
+    model = structkv.load(tiny_dir("llama"))
+    ids = prompt(30, 0)
+    first = alone(model, ids, "full", 6, {})
+    batch = Batch(model)
+    batch.eos = {first[2]}  # the third token is an end of sequence
+    stopped, seen = Row(start(model, ids, max_new_tokens=6), 6), []
+    told = Row(start(model, ids, max_new_tokens=6), 6, on_token=lambda t: seen.append(t) or len(seen) == 2)
+    batch.join(stopped)
+    batch.join(told)
+    while len(batch):
+        batch.step()
+    assert stopped.tokens == first[:2] and stopped.finish == "stop"
+    assert told.tokens == first[:2] and seen == first[:2] and told.finish == "stop"
+
+
+def test_take_rows_and_stacking_with_room_keep_every_entry(tiny_dir):
+    """Rows taken from a stacked cache hold exactly their entries; stacking with a room sizes the
+    capacity for it; a model's sliding layers become rings when the room would pass the window."""
+    model = structkv.load(tiny_dir("gemma3_text"))
+    a, b = (start(model, prompt(n, n), max_new_tokens=4) for n in (6, 20))
+    windows = [model.config.window(i) for i in range(model.config.num_layers)]
+    stacked = StackedKVCache([a.cache, b.cache], room=50, windows=windows)
+    for i, layer in enumerate(stacked.layers):
+        if windows[i] is None:
+            assert layer.capacity >= 20 + 50 and layer.window is None
+        else:
+            assert layer.window == windows[i]  # 20 + 50 would pass the window of 8
+    back = stacked.take_rows([1])
+    for layer, original in zip(back.layers, b.cache.layers):
+        mine = sorted(p for p in layer.pos[0, 0].tolist() if p >= 0)
+        assert mine == sorted(p for p in original.pos[0, 0].tolist() if p >= 0)
