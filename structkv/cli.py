@@ -353,7 +353,8 @@ def _serve(args) -> int:
     app = build(model, settings, max_request_bytes=args.max_request_bytes, api_key=api_key, allowed_hosts=hosts,
                 allowed_origins=args.allow_origin or (), body_timeout_s=args.body_timeout)
     server = Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                   max_connections=args.max_connections, grace_s=args.shutdown_grace))
+                                   max_connections=args.max_connections, grace_s=args.shutdown_grace,
+                                   head_timeout_s=args.head_timeout))
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn raises the SIGINT it handled again once it has shut down
@@ -524,6 +525,8 @@ def main(argv=None) -> int:
                         "queued is dropped")
     s.add_argument("--max-connections", type=_positive_int, default=64,
                    help="open connections and requests at once; beyond it new requests get 503 at once")
+    s.add_argument("--head-timeout", type=_seconds, default=10.0,
+                   help="seconds a new connection has to send its first request head before it is closed")
     s.add_argument("--body-timeout", type=_seconds, default=30.0,
                    help="seconds a request body may take to arrive whole; then 408 and the connection closes")
     s.add_argument("--api-key", default=None,

@@ -304,6 +304,38 @@ def test_api_key_and_host_over_http(chat_model):
         assert 'status="401"' in metrics and 'status="415"' in metrics
 
 
+def test_idle_and_excess_connections_are_closed(chat_model):
+    """Connections that never send a request head are closed after the head timeout, and beyond
+    twice --max-connections a new one is closed when accepted: an idle flood cannot hold the
+    server's file descriptors (issue 32: 1030 idle sockets locked every client out)."""
+    import socket
+
+    with Background(build(chat_model, settings()), max_connections=4, head_timeout_s=1.0) as srv:
+        port = int(srv.url.rsplit(":", 1)[1])
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(12)]
+        time.sleep(0.3)
+
+        def closed(s):
+            s.settimeout(0.05)
+            try:
+                return s.recv(1) == b""
+            except TimeoutError:
+                return False
+            except OSError:
+                return True
+
+        assert sum(closed(s) for s in idle) == 12 - 8  # over 2 x 4: closed at once
+        time.sleep(1.5)
+        assert all(closed(s) for s in idle)  # the rest: no request head within 1 s
+        half = socket.create_connection(("127.0.0.1", port))
+        half.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n")  # a head sent halfway
+        time.sleep(1.5)
+        assert closed(half)
+        assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
+        for s in idle + [half]:
+            s.close()
+
+
 def test_a_half_sent_body_is_answered_408_within_the_timeout(chat_model):
     """A client that sends half a body and waits gets 408 after --body-timeout and its connection
     closes, instead of holding it for as long as it likes."""

@@ -25,25 +25,32 @@ class Server(uvicorn.Server if uvicorn is not None else object):
 
 
 def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-                   max_connections: int = 64, grace_s: float = 120.0):
+                   max_connections: int = 64, grace_s: float = 120.0, head_timeout_s: float = 10.0):
     # Graceful shutdown: on SIGINT/SIGTERM uvicorn stops accepting, lets running requests finish
     # (up to `grace_s`), cancels the rest (their jobs stop at the next token), then the app's
     # lifespan closes the engine, dropping what is still queued. Beyond `max_connections`
     # open connections and tasks new requests get 503 at once; idle keep-alive connections close
-    # after 5 s.
+    # after 5 s; a connection without a request head after `head_timeout_s` closes, and beyond twice
+    # `max_connections` open ones a new connection is closed when accepted (`connections.protocol`).
+    # asyncio accepts up to `backlog` sockets per loop turn before any of them is seen (and closed):
+    # uvicorn's 2048 let a flood take every descriptor in one turn, so it is BACKLOG here.
+    from .connections import BACKLOG, protocol
+
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace_s,
-                          lifespan="on", limit_concurrency=max_connections, timeout_keep_alive=5)
+                          lifespan="on", limit_concurrency=max_connections, timeout_keep_alive=5,
+                          http=protocol(head_timeout_s, 2 * max_connections), backlog=BACKLOG)
 
 
 class Background:
     """A server on 127.0.0.1 in a daemon thread, on a free port; `url`, `stop()`; a context manager."""
 
-    def __init__(self, app, *, log_level: str = "warning", start_timeout: float = 30.0, grace_s: float = 120.0):
+    def __init__(self, app, *, log_level: str = "warning", start_timeout: float = 30.0, grace_s: float = 120.0,
+                 **limits):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = Server(uvicorn_config(app, log_level=log_level, grace_s=grace_s))
+        self.server = Server(uvicorn_config(app, log_level=log_level, grace_s=grace_s, **limits))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + start_timeout
