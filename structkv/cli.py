@@ -336,9 +336,13 @@ def _serve(args) -> int:
     from structkv.serve.guard import LOOPBACK_HOSTS, loopback
 
     api_key = args.api_key or os.environ.get("STRUCTKV_API_KEY") or None
-    if not loopback(args.host) and api_key is None:
-        print(f"structkv: warning: serving on {args.host} without authentication; anyone who can reach it can use "
-              "the model (set --api-key or STRUCTKV_API_KEY)", file=sys.stderr)
+    if not loopback(args.host) and api_key is None and not args.no_auth:
+        print(f"structkv serve: listening on {args.host} (beyond loopback) needs an API key: pass --api-key KEY "
+              "(or set STRUCTKV_API_KEY), or --no-auth to serve anyone who can reach it", file=sys.stderr)
+        return 2
+    if args.no_auth and api_key is not None:
+        print("structkv serve: --no-auth and an API key contradict each other; give one of them", file=sys.stderr)
+        return 2
     # Bound to loopback, only loopback names are answered (a DNS-rebound name never reaches a
     # route); elsewhere any name unless --allowed-host lists them.
     hosts = args.allowed_host or (list(LOOPBACK_HOSTS) if loopback(args.host) else None)
@@ -532,6 +536,8 @@ def main(argv=None) -> int:
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $STRUCTKV_API_KEY; "
                         "none: no key)")
+    s.add_argument("--no-auth", action="store_true",
+                   help="serve beyond loopback without an API key (refused otherwise)")
     s.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
                    help="a Host name the server answers to (repeatable; default on loopback: localhost, 127.0.0.1, "
                         "::1; elsewhere: any)")

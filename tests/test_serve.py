@@ -480,6 +480,18 @@ def test_cli_refuses_bad_settings_before_serving(chat_model, capsys):
         Engine(chat_model, settings(method="magic"))
 
 
+def test_serving_beyond_loopback_needs_a_key_or_no_auth(monkeypatch, capsys):
+    """Refused before the model loads: beyond loopback without --api-key (or $STRUCTKV_API_KEY)
+    unless --no-auth, and --no-auth with a key."""
+    from structkv.cli import main
+
+    monkeypatch.delenv("STRUCTKV_API_KEY", raising=False)
+    assert main(["serve", "--host", "0.0.0.0"]) == 2
+    assert "needs an API key" in capsys.readouterr().err
+    assert main(["serve", "--host", "0.0.0.0", "--no-auth", "--api-key", "k"]) == 2
+    assert "contradict" in capsys.readouterr().err
+
+
 def test_shutdown_lets_running_requests_finish(chat_model, monkeypatch):
     messages = [{"role": "user", "content": "x"}]
     want = alone(chat_model, messages, max_new=30)  # greedy: sampling could end the answer early by chance
@@ -523,12 +535,14 @@ def test_shutdown_after_the_grace_period_drops_queued_work(chat_model, monkeypat
 
 
 def test_shutdown_after_the_grace_period_stops_a_running_batch(chat_model, monkeypatch):
-    """Requests decoding together are all stopped when the grace period ends."""
+    """Requests decoding together are all stopped when the grace period ends, and their clients get
+    an OpenAI error object (503 server_shutdown), not a plain-text 500."""
     produced = Gate(monkeypatch, 0.05).produced
     body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 60, "temperature": 0}
     srv = Background(build(chat_model, settings()), grace_s=0.5)
-    clients = [threading.Thread(target=lambda: _ignore_errors(post, srv, "/v1/chat/completions", body))
-               for _ in range(3)]
+    answers = []
+    clients = [threading.Thread(target=lambda: answers.append(_ignore_errors(post, srv, "/v1/chat/completions",
+                                                                             body))) for _ in range(3)]
     for c in clients:
         c.start()
     time.sleep(0.6)  # all three in the batch: 60 tokens each take at least 3 s
@@ -538,13 +552,15 @@ def test_shutdown_after_the_grace_period_stops_a_running_batch(chat_model, monke
     for c in clients:
         c.join(30)
     assert stopped < 8 and len(produced) < 120  # three whole answers would be 180 tokens
+    told = [r for r in answers if r is not None]
+    assert told and all(r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown" for r in told)
 
 
 def _ignore_errors(f, *a):
     try:
-        f(*a)
+        return f(*a)
     except httpx.HTTPError:
-        pass  # the server went away mid-request: expected
+        return None  # the server went away mid-request: expected
 
 
 def test_a_second_signal_ends_the_server_at_once(chat_dir):

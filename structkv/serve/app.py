@@ -98,7 +98,10 @@ async def _answer(engine: Engine, request: HTTPRequest, kind: str, endpoint: str
         kind_, payload = await _result(job, request)
     except asyncio.CancelledError:  # the server's grace period ended: the job stops at its next token
         job.cancel()
-        raise
+        engine.metrics.request(endpoint, 503)
+        return _error(APIError(503, "the server is shutting down and its grace period (structkv serve "
+                               "--shutdown-grace) ended before this answer; retry on another server",
+                               type="server_error", code="server_shutdown"))
     if kind_ == "done":
         engine.metrics.request(endpoint, 200)
         engine.metrics.observe("request_seconds", time.perf_counter() - t0)
