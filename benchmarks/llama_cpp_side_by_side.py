@@ -24,11 +24,17 @@ import sys
 import time
 from pathlib import Path
 
+# llama.cpp's KV cache types for structkv's `kv_dtype` (its quantized V cache needs flash attention)
+LLAMA_KV = {None: (), "int8": ("-ctk", "q8_0", "-ctv", "q8_0", "-fa", "1"),
+            "int4": ("-ctk", "q4_0", "-ctv", "q4_0", "-fa", "1")}
 
-def llama_bench(binary: str, gguf: str, threads: int, length: int, new_tokens: int, repeats: int) -> dict:
-    """llama.cpp's prefill of `length` tokens (s) and decode at depth `length` (tokens/s)."""
+
+def llama_bench(binary: str, gguf: str, threads: int, length: int, new_tokens: int, repeats: int,
+                kv_dtype: str | None = None) -> dict:
+    """llama.cpp's prefill of `length` tokens (s) and decode at depth `length` (tokens/s), with its
+    KV cache quantized like structkv's `kv_dtype` (q8_0 for int8, q4_0 for int4)."""
     def run(*flags) -> dict:
-        cmd = [binary, "-m", gguf, "-t", str(threads), "-r", str(repeats), "-o", "json", *flags]
+        cmd = [binary, "-m", gguf, "-t", str(threads), "-r", str(repeats), "-o", "json", *LLAMA_KV[kv_dtype], *flags]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode:
             raise RuntimeError(f"llama-bench failed ({done.returncode}): {' '.join(cmd)}\n{done.stderr[-2000:]}")
@@ -59,11 +65,11 @@ def structkv_rows(models: dict, length: int, methods: list[str], args) -> list[d
     for weights, model in models.items():
         cfg = BenchConfig(model=args.model, methods=methods, lengths=[length], kv_budget=args.kv_budget,
                           struct_budget=args.struct_budget, new_tokens=args.new_tokens, repeats=args.repeats,
-                          warmup=1, hf=False, weights=weights, compile=not args.eager)
+                          warmup=1, hf=False, weights=weights, compile=not args.eager, kv_dtype=args.kv_dtype)
         ids = prompt_ids(model, length, 0)
         for name in methods:
             r = measure(model, ids, make_method(cfg, name), cfg)
-            rows.append({"side": "structkv", "weights": weights, "method": name, "tokens": length,
+            rows.append({"side": "structkv", "weights": weights, "method": name, "tokens": length, "kv": args.kv_dtype,
                          "prefill_s": r["prefill_s"]["median"],
                          "decode_tokens_per_s": r["decode_tokens_per_s"]["median"],
                          "prefill_fraction": r["prefill_fraction"], "kv_bytes": r["kv_cache_bytes_after_decode"]})
@@ -74,15 +80,16 @@ def structkv_rows(models: dict, length: int, methods: list[str], args) -> list[d
 
 def table(rows: list[dict]) -> str:
     """Markdown: one line per (length, weights, method), llama.cpp's line first, ratios against it."""
-    lines = ["| tokens | engine | weights | method | prefill s | prefill speed vs llama.cpp | decode tok/s | "
-             "decode vs llama.cpp |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| tokens | engine | weights | KV | method | prefill s | prefill speed vs llama.cpp | decode tok/s | "
+             "decode vs llama.cpp |", "|---|---|---|---|---|---|---|---|---|"]
     for n in sorted({r["tokens"] for r in rows}):
         ref = next((r for r in rows if r["tokens"] == n and r["side"] == "llama.cpp"), None)
         for r in (x for x in rows if x["tokens"] == n):
             pre = f"{ref['prefill_s'] / r['prefill_s']:.2f}x" if ref else ""
             dec = f"{r['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.2f}x" if ref else ""
             engine = "llama.cpp" if r["side"] == "llama.cpp" else "structkv"
-            lines.append(f"| {n} | {engine} | {r.get('weights', 'gguf')} | {r.get('method', 'full')} | "
+            kv = {None: "float", "int8": "int8 (q8_0)", "int4": "int4 (q4_0)"}[r.get("kv")]
+            lines.append(f"| {n} | {engine} | {r.get('weights', 'gguf')} | {kv} | {r.get('method', 'full')} | "
                          f"{r['prefill_s']:.2f} | {pre} | {r['decode_tokens_per_s']:.1f} | {dec} |")
     return "\n".join(lines) + "\n"
 
@@ -120,6 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="full,structkv,snapkv")
     ap.add_argument("--kv-budget", type=float, default=0.1)
     ap.add_argument("--struct-budget", type=float, default=0.2)
+    ap.add_argument("--kv-dtype", default=None, choices=[None, "int8", "int4"],
+                    help="quantized KV entries on both sides (llama.cpp: q8_0 / q4_0 with flash attention)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -140,14 +149,14 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(args.threads)
         gguf = gguf_path(args.model)
-        models = {w: structkv.load(args.model, weights=w) for w in args.weights.split(",")}
+        models = {w: structkv.load(args.model, weights=w, kv_dtype=args.kv_dtype) for w in args.weights.split(",")}
         meta = {"side": "meta", "model": args.model, "gguf": gguf, "threads": args.threads, "torch": torch.__version__,
                 "structkv": structkv.__version__, "command": " ".join(sys.argv), "started": time.ctime()}
         with sink.open("a") as f:
             f.write(json.dumps(meta) + "\n")
         for n in (int(x) for x in args.lengths.split(",")):
-            ref = {"side": "llama.cpp", "tokens": n,
-                   **llama_bench(args.llama_bench, gguf, args.threads, n, args.new_tokens, args.repeats)}
+            ref = {"side": "llama.cpp", "tokens": n, "kv": args.kv_dtype,
+                   **llama_bench(args.llama_bench, gguf, args.threads, n, args.new_tokens, args.repeats, args.kv_dtype)}
             print(f"{n:>6} llama.cpp: prefill {ref['prefill_s']:.2f} s, decode {ref['decode_tokens_per_s']:.1f} tok/s",
                   file=sys.stderr, flush=True)
             rows = [ref] + structkv_rows(models, n, args.methods.split(","), args)
