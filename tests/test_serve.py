@@ -556,6 +556,30 @@ def test_shutdown_after_the_grace_period_stops_a_running_batch(chat_model, monke
     assert told and all(r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown" for r in told)
 
 
+def test_a_stream_stopped_by_the_shutdown_ends_with_an_error_event(chat_model, monkeypatch):
+    Gate(monkeypatch, 0.05)
+    body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 60, "temperature": 0,
+            "stream": True}
+    srv = Background(build(chat_model, settings()), grace_s=0.5)
+    lines = []
+
+    def read():
+        try:
+            with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=30) as r:
+                lines.extend(r.iter_lines())
+        except httpx.HTTPError:
+            pass
+
+    t = threading.Thread(target=read)
+    t.start()
+    time.sleep(0.6)
+    srv.stop()
+    t.join(30)
+    sent = [x for x in lines if x]
+    events = [json.loads(x[6:]) for x in sent if x.startswith("data: {")]
+    assert events and events[-1]["error"]["code"] == "server_shutdown" and sent[-1] == "data: [DONE]"
+
+
 def _ignore_errors(f, *a):
     try:
         return f(*a)

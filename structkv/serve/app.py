@@ -99,9 +99,7 @@ async def _answer(engine: Engine, request: HTTPRequest, kind: str, endpoint: str
     except asyncio.CancelledError:  # the server's grace period ended: the job stops at its next token
         job.cancel()
         engine.metrics.request(endpoint, 503)
-        return _error(APIError(503, "the server is shutting down and its grace period (structkv serve "
-                               "--shutdown-grace) ended before this answer; retry on another server",
-                               type="server_error", code="server_shutdown"))
+        return _error(_shutdown())
     if kind_ == "done":
         engine.metrics.request(endpoint, 200)
         engine.metrics.observe("request_seconds", time.perf_counter() - t0)
@@ -161,7 +159,11 @@ async def _events(engine: Engine, job, t0: float):
         if req.kind == "chat":
             yield _sse(chunk(req, role=True))
         while True:
-            kind, payload = await job.events.get()
+            try:
+                kind, payload = await job.events.get()
+            except asyncio.CancelledError:  # the grace period ended: tell the client, then stop
+                job.cancel()
+                kind, payload = "error", _shutdown()
             if kind == "delta":
                 yield _sse(chunk(req, payload))
                 continue
@@ -176,6 +178,11 @@ async def _events(engine: Engine, job, t0: float):
             return
     finally:
         job.cancel()  # no-op once done; frees the model when the client went away mid-stream
+
+
+def _shutdown() -> APIError:
+    return APIError(503, "the server is shutting down and its grace period (structkv serve --shutdown-grace) ended "
+                    "before this answer; retry on another server", type="server_error", code="server_shutdown")
 
 
 def _sse(obj) -> str:
