@@ -38,12 +38,12 @@ def row(model, ids, name, max_new, sampling):
     return Row(start(model, ids, max_new_tokens=max_new, method=method), max_new, **sampling)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
-def test_rows_joining_and_leaving_get_their_lone_answers(tiny_dir, arch):
+@pytest.mark.parametrize("arch,kv_dtype", [("llama", None), ("gemma3_text", None), ("llama", "int8")])
+def test_rows_joining_and_leaving_get_their_lone_answers(tiny_dir, arch, kv_dtype):
     """Five requests join at different steps (two at once, then one per step) and leave when their
-    token limits differ; a hybrid model's sliding layers go through rings. Greedy and seeded
-    sampled rows both equal `generate` alone."""
-    model = structkv.load(tiny_dir(arch))
+    token limits differ; a hybrid model's sliding layers go through rings; int8 entries move with
+    their scales. Greedy and seeded sampled rows both equal `generate` alone."""
+    model = structkv.load(tiny_dir(arch), kv_dtype=kv_dtype)
     prompts = [prompt(n, i) for i, (n, *_) in enumerate(REQUESTS)]
     want = [alone(model, p, name, new, s) for p, (_, name, new, s) in zip(prompts, REQUESTS)]
     batch = Batch(model)
@@ -93,3 +93,23 @@ def test_take_rows_and_stacking_with_room_keep_every_entry(tiny_dir):
     for layer, original in zip(back.layers, b.cache.layers):
         mine = sorted(p for p in layer.pos[0, 0].tolist() if p >= 0)
         assert mine == sorted(p for p in original.pos[0, 0].tolist() if p >= 0)
+
+
+def test_slots_of_rows_that_left_are_given_back(tiny_dir):
+    """A long prompt leaves a running batch: the next restack compacts the rows that stay, so the
+    cache holds their entries, not the long row's slots (a busy server's batch never empties)."""
+    model = structkv.load(tiny_dir("llama"))
+    long_ids, short_ids = prompt(150, 1), prompt(20, 2)
+    want = alone(model, short_ids, "full", 12, {})
+    batch = Batch(model)
+    batch.eos = set()
+    long_row, short_row = row(model, long_ids, "full", 2, {}), row(model, short_ids, "full", 12, {})
+    batch.join(long_row)
+    batch.join(short_row)
+    batch.step()
+    assert int(batch.cache.layers[0].cursor) >= 150  # the short row padded to the long one's slots
+    while len(batch):
+        batch.step()
+        if long_row.finish and len(batch):
+            assert int(batch.cache.layers[0].cursor) <= 20 + len(short_row.tokens)
+    assert short_row.tokens == want

@@ -171,14 +171,26 @@ class LayerKVCache(nn.Module):
         self.pos.index_put_(where, positions[:, None, :].expand(B, H, S))
 
     def take_rows(self, rows: torch.Tensor) -> "LayerKVCache":
-        """A new layer with only these batch rows (an index tensor), the same slots and cursor: what a
-        batch keeps when some of its rows leave (`structkv.serve.batcher`)."""
+        """A new layer with only these batch rows (an index tensor): what a batch keeps when some of
+        its rows leave (`structkv.serve.batcher`). A full-attention layer is compacted: each (row,
+        head)'s entries move to the front in their order, empty slots after them, and the cursor
+        becomes the most entries any of them holds, so a batch that keeps running does not keep
+        the slots of rows that left (attention reads positions, not slot order). Rings are copied."""
         H, C = self.pos.shape[1:]
+        pos = self.pos.index_select(0, rows)  # (R, Hkv, C)
+        planes = {name: getattr(self, name).index_select(0, rows) for name in self.planes}
+        used = C
+        if self.window is None:
+            order = (pos < 0).to(torch.int8).argsort(dim=-1, stable=True)  # (R, Hkv, C): entries first
+            pos = pos.gather(-1, order)
+            planes = {name: x.gather(2, order[..., None].expand_as(x)) for name, x in planes.items()}
+            used = int((pos >= 0).sum(-1).max()) if pos.numel() else 0
         out = LayerKVCache(len(rows), H, C, self.head_dim, self.k.dtype, self.pos.device, window=self.window,
                            kv_dtype=self.kv_dtype)
-        for name in (*self.planes, "pos"):
-            getattr(out, name).copy_(getattr(self, name).index_select(0, rows))
-        out.cursor.copy_(self.cursor)
+        for name, x in planes.items():
+            getattr(out, name).copy_(x)
+        out.pos.copy_(pos)
+        out.cursor.fill_(used if self.window is None else int(self.cursor))
         return out
 
     def entry_bytes(self) -> int:

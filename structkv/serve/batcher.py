@@ -7,7 +7,9 @@ its cached context extended by the question) and then joins the batch between tw
 rows are stacked with the others' (`StackedKVCache`: different lengths, methods and budgets share
 one step, empty slots masked). Every row samples with its own settings and generator, stops on its
 own EOS, stop strings, token limit or cancellation, and leaves; the cache is restacked only when
-the batch's membership changes (one copy of the running caches per join or leave).
+the batch's membership changes (one copy of the running caches per join or leave), and each restack
+compacts the rows that stay (`KVCache.take_rows`), so a batch that never empties holds its rows'
+entries plus room, not every slot of every row that has left.
 
 A request alone in the batch gets exactly what `generate` gives it alone (the same prefill, the
 same sampling calls on the same generator); in a batch its greedy tokens match `generate` up to
