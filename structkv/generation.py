@@ -218,6 +218,11 @@ def start(model, prompt, *, max_new_tokens: int, method=None, state=None, backen
     return Started(cache, logits, next_pos, lengths, stats, prefill, kept, batched)
 
 
+def eos_ids(model) -> tuple[int, ...]:
+    """The token ids that end a generation: the config's, else the tokenizer's."""
+    return tuple(model.config.eos_token_ids or (model.tokenizer.eos_ids if model.tokenizer is not None else ()))
+
+
 STOP_CHECK_EVERY = 8  # decode steps between host checks of "every row has stopped"
 
 
@@ -231,8 +236,7 @@ def _decode_loop(model, logits, next_pos, cache, max_new_tokens, temperature, to
     where the last row stopped, as if checked every step.
     """
     B = logits.shape[0]
-    eos = torch.tensor(model.config.eos_token_ids or (model.tokenizer.eos_ids if model.tokenizer else ()),
-                       dtype=torch.long, device=model.device)
+    eos = torch.tensor(eos_ids(model), dtype=torch.long, device=model.device)
     stops = stop_at_eos and eos.numel() > 0
     done = torch.zeros(B, dtype=torch.bool, device=model.device)
     out = []
@@ -253,8 +257,8 @@ def _decode_loop(model, logits, next_pos, cache, max_new_tokens, temperature, to
     rows = torch.stack(out, 1).tolist()  # (B, steps)
     if not stops:
         return rows, len(out)
-    eos_ids = set(eos.tolist())
-    cuts = [next((j for j, t in enumerate(row) if t in eos_ids), None) for row in rows]
+    ends = set(eos.tolist())
+    cuts = [next((j for j, t in enumerate(row) if t in ends), None) for row in rows]
     steps = len(out) if None in cuts else max(cuts) + 1  # where the last row stopped
     return [row if cut is None else row[:cut] for row, cut in zip(rows, cuts)], steps
 

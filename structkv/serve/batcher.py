@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generation import Started, _decode, compiled_decode, sample
+from ..generation import Started, _decode, compiled_decode, eos_ids, sample
 from ..models.kv_cache import StackedKVCache
 
 
@@ -87,8 +87,7 @@ class Batch:
         self.joining: list[Row] = []  # rows added since the last step: their own caches, not stacked yet
         cfg = model.config
         self.windows = [cfg.window(i) for i in range(cfg.num_layers)]
-        eos = cfg.eos_token_ids or (model.tokenizer.eos_ids if model.tokenizer is not None else ())
-        self.eos = set(eos)
+        self.eos = set(eos_ids(model))
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.joining)

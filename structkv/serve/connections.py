@@ -32,7 +32,6 @@ def protocol(head_timeout_s: float, hard_limit: int) -> type:
 
     class BoundedH11(H11Protocol):
         closed_over_limit = 0
-        closed_idle = 0
         _warned = 0.0
 
         def connection_made(self, transport) -> None:
@@ -51,7 +50,6 @@ def protocol(head_timeout_s: float, hard_limit: int) -> type:
         def _head_expired(self) -> None:
             """No request head arrived in time: close (after one, uvicorn's keep-alive rules apply)."""
             if self.cycle is None and self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                type(self).closed_idle += 1
                 self.transport.close()
 
         def connection_lost(self, exc) -> None:

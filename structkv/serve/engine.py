@@ -287,7 +287,6 @@ class Engine:
             run.status = "hit" if state is not None else "miss"
             if state is None:
                 state = prefill(self.model, job.prefix, job.method, room=max(self.settings.room, need))
-                run.compress_s = time.perf_counter() - t0
                 self.cache.put(key, state)
             run.state = state
             started = start(self.model, job.rest, state=state, **backend)
@@ -340,8 +339,7 @@ class _Run:
     queue_s: float
     status: str = "off"  # the context cache: "off" (no context), "hit" or "miss"
     state: object = None  # the cached context's CompressedState
-    compress_s: float = 0.0
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # the cached context's compression (on a miss) and the rest's prefill
     first: float | None = None  # when its first token came
 
     def on_token(self, token: int | None) -> bool:
