@@ -35,7 +35,11 @@ TASKS = "niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multival
 RECENCY = {"novelty+w32": dict(signal="novelty", window=32), "novelty+w128": dict(signal="novelty", window=128),
            "mixed": dict(signal="mixed"), "mixed+w32": dict(signal="mixed", window=32),
            "mixed+w128": dict(signal="mixed", window=128), "union": dict(signal="union"),
-           "union+w32": dict(signal="union", window=32)}
+           "union+w32": dict(signal="union", window=32),
+           "union25+w32": dict(signal="union", window_share=0.25, window=32),
+           "union10+w32": dict(signal="union", window_share=0.1, window=32),
+           "union02+w32": dict(signal="union", window_share=0.02, window=32),
+           "union02+w32-guide0": dict(signal="union", window_share=0.02, window=32, beta=0.0)}
 
 
 def configurations(kv: float, rs: float) -> dict:

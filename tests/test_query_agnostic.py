@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import structkv
 from structkv import methods
@@ -220,18 +222,20 @@ def test_structkv_novelty_keeps_the_top_pooled_novel_keys_and_its_prefill_saving
             assert all(int((h >= 0).sum()) == 30 for h in state.cache.layers[i].pos[0])  # exact budget
 
 
-@pytest.mark.parametrize("signal", ["mixed", "union"])
-def test_structkv_blended_signals_keep_the_top_of_both(model, signal):
+@pytest.mark.parametrize("signal,window_share", [("mixed", 0.5), ("union", 0.5), ("union", 0.25)])
+def test_structkv_blended_signals_keep_the_top_of_both(model, signal, window_share):
     """signal="mixed": the skeleton is the top of the pooled sum of the window's attention and the
     keys' novelty, each as its share of the columns before the window; "union": of the larger of
-    their percentile ranks there (plus the window, always)."""
+    their percentile ranks there, each rank's distance from the top stretched by 0.5 / its share
+    (plus the window, always)."""
     from structkv.modules import pooled_saliency
     from structkv.modules.scores import key_novelty
     from structkv.ops import window_scores
 
     ids, w = _ids(120, 5), 8
     tokens, positions, _ = encode_batch(model, [ids])
-    method = methods.get("structkv", signal=signal, beta=0.0, kv_budget=30, struct_budget=48, pivot=0.5)
+    method = methods.get("structkv", signal=signal, beta=0.0, kv_budget=30, struct_budget=48, pivot=0.5,
+                         window_share=window_share)
     state = compress(model, tokens, positions, method, room=8)
     pivot, n = state.stats.pivot_layer, len(ids)
     seen = {}
@@ -250,14 +254,40 @@ def test_structkv_blended_signals_keep_the_top_of_both(model, signal):
 
     attention = window_scores(q[:, :, n - w:], k, pos[:, n - w:].contiguous(), pos, scale=scale)  # (1, Hkv, n)
     novelty = key_novelty(k, torch.ones(1, n, dtype=torch.bool))
+    def stretched(x, part):  # distance from the top, 1 - x, times 0.5 / part; off the ranked columns 0
+        return (1 - (1 - percentile(x)) * 0.5 / part).clamp_min(0) * ranked
+
     blend = (share(attention) + share(novelty) if signal == "mixed"
-             else torch.maximum(percentile(attention), percentile(novelty)))
+             else torch.maximum(stretched(attention, window_share), stretched(novelty, 1 - window_share)))
     score = pooled_saliency(blend, w, 7, "max").sum(1)[0]
     best = set(torch.sort(score[: n - w], descending=True, stable=True).indices[:40].tolist())
     assert set(state.kept_columns[0].tolist()) == best | set(range(n - w, n))
     for i in model.config.full_attention_layers:
         if i > pivot:
             assert all(int((h >= 0).sum()) == 30 for h in state.cache.layers[i].pos[0])  # exact budget
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(20, 400), frac=st.floats(0.02, 0.5), share=st.floats(0.05, 0.95), seed=st.integers(0, 99))
+def test_percentile_union_splits_the_budget_by_share(n, frac, share, seed):
+    """Two signals ranking the columns in opposite orders (no column high in both; K <= n / 2): the top K of
+    their union holds share * K of the first signal's top columns and the rest of the second's,
+    to within a column either way."""
+    from structkv.modules.scores import percentile_of, percentile_union
+
+    x = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).float()[None, None]  # (1, 1, n)
+    ranked = torch.ones(1, n, dtype=torch.bool)
+    a, b = percentile_of(x, ranked), percentile_of(-x, ranked)
+    K = max(1, int(frac * n))
+    top = set(percentile_union(a, b, share)[0, 0].topk(K).indices.tolist())
+    from_a = len(top & set(x[0, 0].topk(K).indices.tolist()))
+    assert abs(from_a - share * K) <= 1
+
+
+def test_window_share_is_a_fraction():
+    for bad in (0, 1, 1.5, -0.1, True, "half"):
+        with pytest.raises(ValueError, match="window_share must be a fraction in \\(0, 1\\)"):
+            methods.get("structkv", signal="union", window_share=bad)
 
 
 def test_novelty_needs_a_fixed_pivot():

@@ -255,7 +255,7 @@ class StructKV(WindowScored, Structure):
     def kv_scores(self, view):
         if self.signal == "window":
             return super().kv_scores(view)  # the observation window's options (observe, per query head)
-        signal = view.structure_signal(self.signal, self.window)  # each layer by its own S^(l), pooled
+        signal = view.structure_signal(self.signal, self.window, self.window_share)  # each layer its own S^(l)
         return self.heads(pooled_saliency(signal, self.window, self.kernel, self.pooling))
 
     def layer_keep(self, layer, layout, lengths, base):

@@ -85,7 +85,7 @@ class StructKVCompressor(Propagation):
 
     def signal(self, view) -> torch.Tensor:
         """S^(l) before pooling, (B, Hkv, n) (`LayerView.structure_signal`)."""
-        return view.structure_signal(self.config.signal, self.window)
+        return view.structure_signal(self.config.signal, self.window, self.config.window_share)
 
     def _skeleton_scores(self, own: torch.Tensor, columns: torch.Tensor, valid: torch.Tensor, rows,
                          lengths: list[int]) -> torch.Tensor:

@@ -52,6 +52,18 @@ def percentile_of(x: torch.Tensor, ranked: torch.Tensor) -> torch.Tensor:
     return ((rank - below) / count).clamp_min(0) * ranked[:, None]
 
 
+def percentile_union(a: torch.Tensor, b: torch.Tensor, share: float = 0.5) -> torch.Tensor:
+    """Two signals' percentiles (`percentile_of`, 0 off the ranked columns) -> one score whose top
+    K holds about `share` K of `a`'s top columns and the rest of `b`'s: each column's distance from
+    the top, 1 - x, is stretched by 0.5 / its signal's share before the larger is taken (share 0.5:
+    the plain larger percentile). Why: a column is kept when either signal ranks it high, and the
+    budget splits between the signals as asked whatever their spreads."""
+    if share != 0.5:
+        a = (1 - (1 - a) * 0.5 / share).clamp_min(0) * (a > 0)
+        b = (1 - (1 - b) * 0.5 / (1 - share)).clamp_min(0) * (b > 0)
+    return torch.maximum(a, b)
+
+
 def key_novelty(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """KeyDiff's score, query-free: 1 - cos(k_i, mean of the layer's normalised valid keys), per
     KV head: (B, Hkv, n) in [0, 2] from k (B, Hkv, n, D) and valid (B, n). A key unlike the

@@ -33,6 +33,8 @@ class Structure:
             unlike the layer's average key each key is, `key_novelty`: query-free, for contexts
             compressed before any question is known), or both: "mixed" (each as its share of the
             ranked columns, added) or "union" (the larger percentile rank; `LayerView.structure_signal`).
+        window_share: under "union", the window's share of the kept columns (novelty has the rest);
+            0.5 is the plain larger percentile rank.
     """
 
     decay: float = 0.9
@@ -44,6 +46,7 @@ class Structure:
     skeleton: str = "pivot"
     guide: str = "pivot"
     signal: str = "window"
+    window_share: float = 0.5
 
 
 STRUCTURE = tuple(f.name for f in fields(Structure))
@@ -92,6 +95,10 @@ class StructKVConfig(Structure):
             raise ValueError(f"skeleton must be 'centrality', 'pivot' or 'union', got {self.skeleton!r}")
         if self.signal not in SIGNALS:
             raise ValueError(f"signal must be 'window', 'novelty', 'mixed' or 'union', got {self.signal!r}")
+        share = self.window_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:
+            raise ValueError(f"window_share must be a fraction in (0, 1) (the window's share under signal 'union'), "
+                             f"got {share!r}")
         if self.signal != "window" and self.pivot is None:
             raise ValueError(f"signal {self.signal!r} needs a fixed pivot: the detector reads attention statistics")
         if self.guide not in ("pivot", "centrality"):

@@ -13,7 +13,15 @@ import torch
 
 from ..ops import window_scores
 from ..timing import NO_TIMER, Timer
-from .scores import key_novelty, last_query_logits, percentile_of, ranked_columns, received_attention, share_of
+from .scores import (
+    key_novelty,
+    last_query_logits,
+    percentile_of,
+    percentile_union,
+    ranked_columns,
+    received_attention,
+    share_of,
+)
 
 
 @dataclass
@@ -72,14 +80,16 @@ class LayerView:
         """(B, Hkv, n): how unlike the layer's average key each key is (KeyDiff; query-free)."""
         return self.scores(("novelty",), lambda: key_novelty(self.k, self.valid))
 
-    def structure_signal(self, kind: str, window: int) -> torch.Tensor:
+    def structure_signal(self, kind: str, window: int, share: float = 0.5) -> torch.Tensor:
         """StructKV's per-layer score S^(l) (B, Hkv, n), before pooling (`StructKVConfig.signal`):
         "window" (the last `window` queries' attention), "novelty" (query-free), or "mixed": each
         as its share of the ranked columns (the window excluded), added. The window's attention is
         concentrated, so its confident picks come first and novelty orders the rest: what the end
         of a text looks back at (prose, code) beside what stands out in it (names, numbers).
         "union": each as its percentile rank among the ranked columns, the larger taken, so the
-        top of either signal comes first (about half the budget each)."""
+        top of either signal comes first: about `share` of the budget to the window's, the rest to
+        novelty's (each rank's distance from the top stretched by its signal's share; 0.5 is the
+        plain larger rank)."""
         if kind == "window":
             return self.window_scores(window)
         if kind == "novelty":
@@ -87,7 +97,9 @@ class LayerView:
         ranked = ranked_columns(self.valid, window)  # (B, n)
         blend = share_of if kind == "mixed" else percentile_of
         a, b = blend(self.window_scores(window), ranked), blend(self.key_novelty(), ranked)
-        return a + b if kind == "mixed" else torch.maximum(a, b)
+        if kind == "mixed":
+            return a + b
+        return percentile_union(a, b, share)
 
     def received_attention(self) -> torch.Tensor:
         """(B, Hkv, n): attention received from every query (H2O)."""
