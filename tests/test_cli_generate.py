@@ -88,6 +88,21 @@ def test_questions_answer_from_one_compressed_state(byte_model, byte_model_dir, 
     assert err.count("structkv: method") == 2
 
 
+def test_questions_without_a_method_get_the_context_default_at_its_own_budget(byte_model_dir, monkeypatch, capsys):
+    """-q without --method compresses with `CONTEXT_DEFAULT` (`structkv_agnostic_union`), and
+    without --kv-budget at that method's own default (20 % of the entries), which --kv-budget
+    still overrides."""
+    seen = []
+    real = structkv.prefill
+    monkeypatch.setattr(structkv, "prefill", lambda m, c, method, **k: seen.append(method) or real(m, c, method, **k))
+    context = "Notes: the meeting is on Tuesday in room 4. " * 10
+    assert _gen(byte_model_dir, context, "-q", "\nQ: When?\nA:") == 0
+    assert _gen(byte_model_dir, context, "-q", "\nQ: When?\nA:", "--kv-budget", "0.1") == 0
+    capsys.readouterr()
+    assert [(m.name, m.signal, m.kv_budget) for m in seen] == [
+        (methods.CONTEXT_DEFAULT, "union", 0.2), (methods.CONTEXT_DEFAULT, "union", 0.1)]
+
+
 def test_threads_and_int8_kv_entries(byte_model, byte_model_dir, capsys):
     """--threads sets torch's thread count for the call; --kv-dtype int8 stores the entries as int8
     and answers like the float cache on this model."""
