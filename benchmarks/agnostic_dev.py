@@ -39,7 +39,10 @@ RECENCY = {"novelty+w32": dict(signal="novelty", window=32), "novelty+w128": dic
            "union25+w32": dict(signal="union", window_share=0.25, window=32),
            "union10+w32": dict(signal="union", window_share=0.1, window=32),
            "union02+w32": dict(signal="union", window_share=0.02, window=32),
-           "union02+w32-guide0": dict(signal="union", window_share=0.02, window=32, beta=0.0)}
+           "union02+w32-guide0": dict(signal="union", window_share=0.02, window=32, beta=0.0),
+           "union+w32/kv-novelty": dict(signal="union", window=32, kv_signal="novelty"),
+           "union+w32/kv-novelty-guide0": dict(signal="union", window=32, kv_signal="novelty", beta=0.0),
+           "novelty+w32/kv-union": dict(signal="novelty", window=32, kv_signal="union")}
 
 
 def configurations(kv: float, rs: float) -> dict:

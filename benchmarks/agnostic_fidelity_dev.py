@@ -35,6 +35,9 @@ CANDIDATES = {
     "novelty+k15": dict(signal="novelty", kernel=15),
     "novelty+w128": dict(signal="novelty", window=128),
     "union+w32": dict(signal="union", window=32),
+    "union+w32/kv-novelty": dict(signal="union", window=32, kv_signal="novelty"),
+    "union+w32/kv-novelty-guide0": dict(signal="union", window=32, kv_signal="novelty", beta=0.0),
+    "novelty+w32/kv-union": dict(signal="novelty", window=32, kv_signal="union"),
 }
 
 

@@ -284,6 +284,27 @@ def test_percentile_union_splits_the_budget_by_share(n, frac, share, seed):
     assert abs(from_a - share * K) <= 1
 
 
+def test_kv_signal_ranks_the_entries_while_the_skeleton_keeps_its_signal(model):
+    """kv_signal="novelty" under signal="union": the skeleton is the union's (the same columns go on
+    past the pivot), each layer up to the pivot (all tokens there) keeps what novelty alone keeps
+    there (beta 0)."""
+    ids = _ids(120, 6)
+    tokens, positions, _ = encode_batch(model, [ids])
+    common = dict(beta=0.0, kv_budget=30, struct_budget=48, pivot=0.5, window=8)
+    split, union, novelty = (compress(model, tokens, positions, methods.get("structkv", **o, **common), room=8)
+                             for o in (dict(signal="union", kv_signal="novelty"), dict(signal="union"),
+                                       dict(signal="novelty")))
+    assert split.kept_columns[0].tolist() == union.kept_columns[0].tolist()
+    pivot = split.stats.pivot_layer
+    before = [i for i in model.config.full_attention_layers if i <= pivot]
+    assert before
+    for i in before:
+        torch.testing.assert_close(split.cache.layers[i].pos, novelty.cache.layers[i].pos)
+    assert any(not torch.equal(union.cache.layers[i].pos, novelty.cache.layers[i].pos) for i in before)
+    with pytest.raises(ValueError, match="kv_signal must be None"):
+        methods.get("structkv", signal="union", kv_signal="question")
+
+
 def test_window_share_is_a_fraction():
     for bad in (0, 1, 1.5, -0.1, True, "half"):
         with pytest.raises(ValueError, match="window_share must be a fraction in \\(0, 1\\)"):

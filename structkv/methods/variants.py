@@ -19,7 +19,7 @@ from ..modules import (
 from ..modules.reconstruction import DEFAULT_PROMPT
 from ..modules.retention import ReconstructionRetention
 from ..modules.scores import expected_attention
-from ..modules.structkv_config import STRUCTURE, StructKVConfig, Structure
+from ..modules.structkv_config import SIGNALS, STRUCTURE, StructKVConfig, Structure
 from .base import Method, resolve_layer
 
 
@@ -203,6 +203,8 @@ class StructKV(WindowScored, Structure):
     beta: cross-layer KV retention (`GuidedRetention`): every planned layer keeps the top of
     norm(S^(l)) + beta * norm(G), G the guide; beta 0 = each layer by its own scores (the paper).
     pyramid: PyramidKV-shaped per-layer KV budgets with this steepness (None: flat).
+    kv_signal: the signal each layer's KV entries are ranked by (None: `signal`, which the
+        skeleton and the guide use); e.g. the union's skeleton with each layer's raw novelty.
     """
 
     # Defaults: the configuration chosen on the development split (docs/methods.md, "StructKV
@@ -213,6 +215,7 @@ class StructKV(WindowScored, Structure):
     equal_compute: bool = False
     beta: float = 3.0
     pyramid: float | None = None
+    kv_signal: str | None = None
     name = "structkv"
     has_struct_budget: ClassVar[bool] = True
 
@@ -253,9 +256,10 @@ class StructKV(WindowScored, Structure):
         return keep_at
 
     def kv_scores(self, view):
-        if self.signal == "window":
+        kind = self.kv_signal or self.signal
+        if kind == "window":
             return super().kv_scores(view)  # the observation window's options (observe, per query head)
-        signal = view.structure_signal(self.signal, self.window, self.window_share)  # each layer its own S^(l)
+        signal = view.structure_signal(kind, self.window, self.window_share)  # each layer its own S^(l)
         return self.heads(pooled_saliency(signal, self.window, self.kernel, self.pooling))
 
     def layer_keep(self, layer, layout, lengths, base):
@@ -283,6 +287,9 @@ class StructKV(WindowScored, Structure):
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not 0 <= self.beta < math.inf:
             raise ValueError(f"structkv: beta must be a finite number >= 0 (0 = no guided retention), "
                              f"got {self.beta!r}")
+        if self.kv_signal is not None and self.kv_signal not in SIGNALS:
+            raise ValueError(f"structkv: kv_signal must be None (the skeleton's signal) or one of "
+                             f"{', '.join(map(repr, SIGNALS))}, got {self.kv_signal!r}")
         p = self.pyramid
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 1 <= p < math.inf):
             raise ValueError(f"structkv: pyramid must be None or a finite number >= 1 (PyramidKV's beta), got {p!r}")
