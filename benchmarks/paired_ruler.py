@@ -56,6 +56,10 @@ def paired(a: dict, b: dict, resamples: int, rng: random.Random) -> tuple[float,
     by_task: dict[tuple, list[float]] = defaultdict(list)  # (length, task) -> differences
     for key in sorted(set(a) & set(b)):
         by_task[key[:2]].append(a[key] - b[key])
+    if by_task and all(len(d) == 1 for d in by_task.values()):
+        # One prompt per task: resampling within tasks would give no spread at all (an interval
+        # of width 0); the prompts are resampled across tasks instead.
+        by_task = {("all", "all"): [d[0] for d in by_task.values()]}
     boots = sorted(task_mean({t: [rng.choice(d) for _ in d] for t, d in by_task.items()})
                    for _ in range(resamples))
     lo, hi = boots[int(0.025 * resamples)], boots[int(0.975 * resamples) - 1]

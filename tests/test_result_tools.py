@@ -60,6 +60,19 @@ def test_difference_is_of_task_averages(paired_ruler, tmp_path, capsys):
     assert diff == "+12.5" and 0 <= lo <= 12.5 <= hi <= 50
 
 
+def test_one_prompt_per_task_resamples_across_tasks(paired_ruler, tmp_path, capsys):
+    """One prompt per task (a LongBench --samples 1 folder): resampling within tasks has nothing to
+    draw from, so the prompts are resampled across tasks and the interval has a width."""
+    base = {(t, 0): 0.0 for t in "abcdefgh"}
+    mine = base | {("a", 0): 1.0, ("b", 0): 1.0}
+    f = folder(tmp_path / "f", {"structkv@0.1": mine, "snapkv@0.1": base})
+    rc, out, _ = run(paired_ruler, capsys, f, "--against", "snapkv")
+    row = next(line.split(" | ") for line in out.splitlines() if "structkv@" in line)
+    diff, interval = row[2].split(" ", 1)
+    lo, hi = (float(x) for x in interval.strip("[]").split(", "))
+    assert diff == "+25.0" and lo < 25.0 < hi and lo >= 0
+
+
 def test_identical_runs_differ_by_exactly_zero(paired_ruler, tmp_path, capsys):
     by = {("a", i): float(i % 2) for i in range(10)}
     f = folder(tmp_path / "f", {"structkv@0.2": by, "snapkv@0.2": by})
