@@ -66,6 +66,9 @@ def test_cli_generate_under_torchrun_prints_the_single_process_answer(byte_model
     one = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240, env=env)
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args, "--tp", "2"],
                          capture_output=True, text=True, timeout=240, env=env)
-    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    # On failure: the ranks' own lines (the start of stderr: what aborted, and when) and stdout
+    # (did rank 0 answer before it ended?), not only torchrun's summary at the end.
+    assert one.returncode == 0 and two.returncode == 0, (
+        f"stdout: {two.stdout[-500:]!r}\nstderr head: {two.stderr[:2500]}\n...\nstderr tail: {two.stderr[-800:]}")
     assert two.stdout == one.stdout
     assert "tensor parallel over 2 ranks" in two.stderr
