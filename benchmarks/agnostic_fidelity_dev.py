@@ -5,7 +5,8 @@ A task score flips on one token and the development splits are small; the fideli
 cache's continuation teacher-forced through each compressed context + the uncompressed question,
 `structkv.harness.eval.fidelity.measure`) moves smoothly, so it can choose between signals that
 answer-accuracy on 16-18 prompts cannot separate. Records go to `records.jsonl` (one line per
-prompt and label, resumable); `summary.md` has the mean KL per benchmark kind and label, and the
+prompt and label, resumable; `config.json` holds the settings, and a folder made with others is
+refused); `summary.md` has the mean KL per benchmark kind and label, and the
 worse of the two kinds relative to the best label on each (the criterion: a default must not
 collapse on either kind of document).
 
@@ -22,7 +23,7 @@ import structkv
 from structkv import methods
 from structkv.files import write_text_atomic
 from structkv.harness.eval.fidelity import answer_ids, measure
-from structkv.harness.eval.runner import EvalConfig, build_samples
+from structkv.harness.eval.runner import EvalConfig, _open_output, _read_predictions, build_samples
 
 RULER = "niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,niah_multiquery,qa_1,vt,cwe,fwe"
 LONGBENCH = "narrativeqa,qasper,hotpotqa,2wikimqa,gov_report,lcc,repobench-p,triviaqa,trec,samsum"
@@ -63,13 +64,19 @@ def main(argv=None) -> int:
     if unknown := set(labels) - set(CANDIDATES):
         p.error(f"--only: no candidate {sorted(unknown)}; valid: {', '.join(CANDIDATES)}")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    sink = out / "records.jsonl"
-    done = {r["key"] for r in map(json.loads, sink.open())} if sink.exists() else set()
-    model = structkv.load(args.model)
-    cfg = EvalConfig(benchmark="fidelity", model=args.model, lengths=[args.lengths], tasks=args.tasks.split(","),
+    cfg = EvalConfig(benchmark="fidelity", model=args.model, kv_budgets=[args.kv_budget],
+                     struct_budget=args.struct_budget, lengths=[args.lengths], tasks=args.tasks.split(","),
                      samples=args.samples, seed=args.seed, first=args.first, question_after=True,
                      continuation=args.continuation, compile=False)
+    known = out / "config.json"  # the records' keys carry no budget: one folder, one R_KV
+    if known.exists() and json.loads(known.read_text())["config"]["kv_budgets"] != cfg.kv_budgets:
+        p.error(f"{out} holds records at another R_KV; choose another --out folder")
+    try:
+        done = _open_output(cfg, out, name="records.jsonl")  # refuses other settings, repairs a cut last line
+    except ValueError as e:
+        p.error(str(e))
+    sink = out / "records.jsonl"
+    model = structkv.load(args.model)
     for sample in build_samples(cfg, model.tokenizer):
         todo = [label for label in labels if f"{label}|{sample['task']}|{sample['index']}" not in done]
         if not todo:
@@ -95,7 +102,7 @@ def summary(sink: Path, args, argv) -> str:
     ruler = set(RULER.split(","))
     kl: dict[tuple[str, str], list[float]] = {}
     gold: dict[tuple[str, str], list[float]] = {}
-    for r in map(json.loads, sink.open()):
+    for r in _read_predictions(sink, quiet=True).values():
         key = ("ruler" if r["task"] in ruler else "longbench", r["label"])
         kl.setdefault(key, []).append(r["kl"])
         gold.setdefault(key, []).append(r["gold_nll"] - r["full_gold_nll"])
