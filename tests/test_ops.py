@@ -250,3 +250,62 @@ def test_causal_attention_op_blocks_equal_one_masked_call(S, block, padded):
     valid = pos[:, None, :, None] >= 0  # padded queries see nothing: undefined either way
     assert torch.allclose(torch.where(valid, out, 0), torch.where(valid, ref, 0), atol=1e-5)
     torch.library.opcheck(torch.ops.structkv.causal_attention.default, (q, k, v, pos, 0.3, block))
+
+
+@st.composite
+def decode_case(draw):
+    """One decode query over a cache whose key ranges may be wholly hidden (empty slots, another
+    head's mask): the split attention must give them no weight."""
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    B, hkv, G = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.sampled_from([1, 3, 4]))
+    D, T = draw(st.sampled_from([32, 64, 256])), 64 * draw(st.integers(1, 12))
+    per_head = draw(st.booleans())
+    mask = torch.rand(B, hkv if per_head else 1, 1, T, generator=g) < draw(st.floats(0.05, 1.0))
+    hidden = draw(st.integers(0, T - 1))  # a leading run of empty slots, as a half-filled cache has
+    mask[..., :hidden] = False
+    mask[..., -1] = True  # the token just written is always visible
+    q, k, v = (torch.randn(B, h, n, D, generator=g) for h, n in ((hkv * G, 1), (hkv, T), (hkv, T)))
+    return q, k, v, mask
+
+
+@given(decode_case(), st.integers(1, 8))
+def test_split_decode_attention_equals_one_call(case, threads):
+    from structkv.ops.attention import SPLIT_BYTES, decode_attention, decode_splits, split_decode_attention
+
+    q, k, v, mask = case
+    want = decode_attention(q, k, v, mask, 0.125)
+    splits = decode_splits(k, threads)
+    assert splits == 1 or (k.shape[2] % splits == 0 and splits <= 2 * threads
+                           and 2 * k.numel() * 4 // splits >= SPLIT_BYTES)
+    for s in {2, 4, splits} - {1}:
+        if k.shape[2] % s == 0:
+            torch.testing.assert_close(split_decode_attention(q, k, v, mask, 0.125, s), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(decode_attention(q, k, v, mask, 0.125, threads), want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_splits_only_for_long_caches_on_several_cpu_threads():
+    from structkv.ops.attention import decode_splits
+
+    long, short = torch.empty(1, 1, 4352, 256), torch.empty(1, 1, 512, 256)  # 8.9 MB and 1 MB of k + v
+    assert decode_splits(long, 1) == 1 and decode_splits(short, 2) == 1
+    assert decode_splits(long, 2) == 4 and decode_splits(long, 16) == 8  # ranges of >= 1 MiB
+    assert decode_splits(torch.empty(1, 3, 4544, 64), 2) == 4  # SmolLM2's 3 KV heads at 4.5K slots
+
+
+def test_generation_with_split_decode_attention_keeps_its_tokens(tiny_dir, monkeypatch):
+    """Eager and compiled decode over a cache split in key ranges give the unsplit tokens."""
+    import structkv
+    import structkv.ops.attention as attention
+
+    model = structkv.load(tiny_dir("llama"))
+    ids = torch.randint(3, 96, (150,), generator=torch.Generator().manual_seed(5)).tolist()
+    want = structkv.generate(model, ids, max_new_tokens=6, stop_at_eos=False, compile=False).token_ids
+    calls = []
+    split = attention.split_decode_attention
+    monkeypatch.setattr(attention, "split_decode_attention", lambda *a: calls.append(a[-1]) or split(*a))
+    monkeypatch.setattr(attention, "SPLIT_BYTES", 1024)  # the tiny cache's ranges count as long
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # read by each cache when made
+    for compile in (False, True):
+        calls.clear()
+        out = structkv.generate(model, ids, max_new_tokens=6, stop_at_eos=False, compile=compile)
+        assert out.token_ids == want and calls and set(calls) <= {2, 4}

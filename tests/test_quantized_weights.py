@@ -168,3 +168,17 @@ def test_a_gguf_records_its_storage_types(tmp_path, monkeypatch):
     block = model.model.layers[0]
     assert block.mlp.up_proj.kind == "int8"
     assert block.self_attn.q_proj.kind == ("int4" if block.self_attn.q_proj.out_features % 16 == 0 else "int8")
+
+
+@pytest.mark.parametrize("head", [False, True])
+def test_compiled_one_row_int8_reads_the_codes_in_float32(head):
+    """A compiled decode step's one int8 row runs `int8_row_fused` (the LM head: `int8_head_logits`,
+    a graph of its own): the float32 product with the dequantized weight (no bf16 rounding of x)."""
+    torch.manual_seed(4)
+    lin = QuantizedLinear.from_weight(torch.randn(40, 96), "int8", torch.randn(40))
+    lin.head = head
+    x = torch.randn(1, 1, 96)
+    step = torch.compile(lambda x: lin(x) * 2, fullgraph=True, dynamic=False)
+    ref = (x.reshape(1, 96) @ lin.dequantize().t()).view(1, 1, 40) + lin.bias
+    torch.testing.assert_close(step(x), ref * 2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin(x), ref, rtol=0, atol=ref.abs().max().item() * 2**-7)  # eager: the packed kernel

@@ -197,6 +197,9 @@ def test_dev_sweep_ruler_accuracy_is_an_eval_folder(byte_model_dir, tmp_path, pa
     capsys.readouterr()
     assert paired_ruler.main([str(out), "--method", "fixed15/32+pivotskel+guideS3", "--against", "fastkv"]) == 0
     assert "fastkv@0.2" in capsys.readouterr().out
+    assert dev.main([*args, "--only", "full,fastkv"]) == 0  # a later sweep of fewer labels keeps the others' rows
+    assert "| fixed15/32+pivotskel+guideS3 | 0.2 | 1536 |" in (out / "summary.md").read_text()
+    assert '"fixed15/32+pivotskel+guideS3@0.2"' in (out / "metrics.json").read_text()
     with pytest.raises(SystemExit):
         dev.main([*args, "--only", "nonesuch"])
     assert "no configuration ['nonesuch']" in capsys.readouterr().err

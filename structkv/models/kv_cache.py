@@ -57,6 +57,9 @@ class LayerKVCache(nn.Module):
         check_kv_dtype(kv_dtype)
         self.window = window  # ring buffer of `window` slots when set
         self.kv_dtype, self.head_dim = kv_dtype, head_dim
+        # CPU threads a decode attention may split its keys over (`decode_splits`), read when the
+        # cache is made: a plain attribute, so a compiled decode step sees a constant
+        self.threads = torch.get_num_threads() if torch.device(device).type == "cpu" else 1
         if window is not None:
             capacity = window
         shape = (batch, num_kv_heads, capacity)
@@ -96,7 +99,7 @@ class LayerKVCache(nn.Module):
         """One query token per row over this layer's entries: q (B, Hq, 1, D), mask (B, 1|Hkv, 1, C)
         -> (B, Hq, 1, D). Quantized entries are read by `structkv::quantized_decode_attention`."""
         if self.kv_dtype is None:
-            return decode_attention(q, self.k, self.v, mask, scale)
+            return decode_attention(q, self.k, self.v, mask, scale, self.threads)
         k_planes, v_planes = self._sides()
         return quantized_decode_attention(q, k_planes, v_planes, mask, scale, self.kv_dtype)
 

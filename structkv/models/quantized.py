@@ -7,7 +7,8 @@ smaller weights, through PyTorch's packed CPU kernels (`structkv.ops.quantized_l
 prompt unpacks each weight to bf16 once and runs a GEMM, measured faster there):
 
 - "bf16": the weight in bfloat16 (2 bytes).
-- "int8": int8 codes with one scale per output row, `aten._weight_int8pack_mm` (1 byte).
+- "int8": int8 codes with one scale per output row, `aten._weight_int8pack_mm` (1 byte); a
+  compiled decode step's one row instead runs a reduction inductor fuses (`int8_row_fused`).
 - "int4": 4-bit codes in groups of `INT4_GROUP` input columns with a scale and a zero point per
   group, `aten._weight_int4pack_mm_for_cpu` (~0.56 bytes with the group's bf16 scale and zero).
 
@@ -23,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.quantized_linear import int4_linear, int4_product, int4_weight, int8_linear, int8_product
+from ..ops.int8_head import int8_head_logits
+from ..ops.quantized_linear import int4_linear, int4_product, int4_weight, int8_linear, int8_product, int8_row_fused
 
 WEIGHTS = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP = 32  # GGUF's block size (Q4_0, Q4_1, Q5_0, Q8_0); the kernel takes 32, 64, 128 or 256
@@ -51,6 +53,7 @@ class QuantizedLinear(nn.Module):
                  reduce=None):
         super().__init__()
         self.kind, self.in_features, self.out_features, self.reduce = kind, in_features, out_features, reduce
+        self.head = False  # the LM head: its one row runs compiled on its own (see `forward`)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
@@ -83,12 +86,19 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (..., K) -> (M, K)
-        if self.kind == "bf16":
+        # One row (a decode step) compiled: int8 as a reduction inductor fuses (`int8_row_fused`, faster
+        # than the packed kernel there), except the LM head, a graph of its own (`int8_head_logits`: in
+        # the decode graph inductor fused the final norm into its loop, SmolLM2 87 -> 62 tokens/s); int4
+        # calls the packed kernel directly, so it sits in the graph without the opaque op's Python call
+        # (~9 us, 7 per layer per token). Other row counts go through the op, which picks packed or GEMM
+        # at run time: in a prefill compiled for any length, a test of the count would be a guard on the
+        # length ("== 1" is not: dynamic sizes start at 2).
+        if self.kind == "int8" and x2.shape[0] == 1 and torch.compiler.is_compiling():
+            x1 = x.reshape(1, -1).float()  # (..., K) -> (1, K)
+            y = (int8_head_logits(x1, self.codes, self.scales.float()[:, None]) if self.head
+                 else int8_row_fused(x1, self.codes, self.scales))
+        elif self.kind == "bf16":
             y = F.linear(x2, self.weight)
-        # One row (a decode step) calls the kernel directly: it sits in the compiled decode graph without
-        # the opaque op's Python call (~9 us, 7 per layer per token). Other row counts go through the op,
-        # which picks packed or GEMM at run time: in a prefill compiled for any length, a test of the
-        # count would be a guard on the length ("== 1" is not: dynamic sizes start at 2).
         elif self.kind == "int8":
             y = (int8_product if x2.shape[0] == 1 else int8_linear)(x2, self.codes, self.scales)
         else:
@@ -181,6 +191,7 @@ def quantize_model(model, weights: str) -> None:
                                                                       getattr(old, "tp", None) and old.tp.all_reduce))
     outer = "bf16" if weights == "bf16" else "int8"
     head = QuantizedLinear.from_weight(model.lm_head.weight, outer)
+    head.head = True
     table = head if tied else QuantizedLinear.from_weight(model.model.embed_tokens.weight, outer)
     model.lm_head, model.model.embed_tokens = head, QuantizedEmbedding(table, dtype)
     model.weights = weights

@@ -1,5 +1,6 @@
 """`structkv::int8_head_logits`: one row's LM-head logits from int8 codes with one scale per block
-of 32 columns (GGUF's Q8_0 form), reading the codes once (`structkv.models.int8_head`)."""
+of columns (32: GGUF's Q8_0 form, `structkv.models.int8_head`; the whole row: the per-row int8 head
+of `weights="int8" | "int4"`, `structkv.models.quantized`), reading the codes once."""
 from __future__ import annotations
 
 import torch
@@ -10,9 +11,11 @@ BLOCK = 32
 
 
 def _fused_row_logits(h: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """h (1, E) -> (1, V): per block, sum of code * h, times the block scale, summed over blocks."""
+    """h (1, E) -> (1, V): per block (E / nb columns), sum of code * h, times the block scale,
+    summed over blocks."""
     V, nb = scales.shape
-    inner = (h.view(1, 1, nb, BLOCK) * codes.view(1, V, nb, BLOCK)).sum(-1)  # (1, V, nb)
+    block = codes.shape[1] // nb
+    inner = (h.view(1, 1, nb, block) * codes.view(1, V, nb, block)).sum(-1)  # (1, V, nb)
     return (inner * scales).sum(-1)  # (1, V)
 
 

@@ -99,7 +99,8 @@ def dequantize_kv(planes: tuple[torch.Tensor, ...] | list[torch.Tensor], kv_dtyp
 def quantized_decode_attention_reference(q, k, v, mask, scale: float, kv_dtype: str) -> torch.Tensor:
     """Dequantize every entry to q's dtype, then `decode_attention`: the definition the kernels
     are tested against. k, v: the planes of `quantize_kv`, each (B, Hkv, T, last)."""
-    return decode_attention(q, dequantize_kv(k, kv_dtype, q.dtype), dequantize_kv(v, kv_dtype, q.dtype), mask, scale)
+    return decode_attention(q, dequantize_kv(k, kv_dtype, q.dtype), dequantize_kv(v, kv_dtype, q.dtype), mask, scale,
+                            torch.get_num_threads())
 
 
 @torch.library.custom_op("structkv::quantized_decode_attention", mutates_args=())

@@ -532,19 +532,22 @@ def report(cfg: EvalConfig, out: str | os.PathLike, *, write: bool = True, confi
     return _report(cfg, out, _read_predictions(out / "predictions.jsonl"), write=write, configs=configs)
 
 
-def _wanted(cfg: EvalConfig, configs: dict | None = None) -> set[str]:
-    """The keys of every prediction the run asks for (a task may hold fewer samples than asked)."""
+def _wanted(cfg: EvalConfig, configs: dict | None = None, labels=None) -> set[str]:
+    """The keys of every prediction the run asks for (a task may hold fewer samples than asked),
+    for its own labels or for `labels` (every label a development folder holds)."""
     depths = cfg.depths if cfg.benchmark == "niah" else [None]
     per_task = {task: cfg.task_samples(task) for task in (cfg.tasks or cfg.all_tasks())}  # one file read per task
+    if labels is None:
+        labels = [label for label, _, _ in method_runs(cfg, configs)]
     return {sample_key(label, {"length_budget": n, "task": task, "index": i,
                                **({"depth": d} if d is not None else {})})
-            for label, _, _ in method_runs(cfg, configs) for n in cfg.lengths for task, count in per_task.items()
+            for label in labels for n in cfg.lengths for task, count in per_task.items()
             for d in depths for i in range(cfg.first, cfg.first + count)}
 
 
 def _report(cfg: EvalConfig, out: Path, done: dict[str, dict], *, write: bool = True,
-            configs: dict | None = None) -> dict:
-    wanted = _wanted(cfg, configs)
+            configs: dict | None = None, labels=None) -> dict:
+    wanted = _wanted(cfg, configs, labels)
     records = [r for k, r in done.items() if k in wanted]
     if not records:
         raise ValueError(f"{out} holds no predictions for these settings yet")
