@@ -57,9 +57,6 @@ class LayerKVCache(nn.Module):
         check_kv_dtype(kv_dtype)
         self.window = window  # ring buffer of `window` slots when set
         self.kv_dtype, self.head_dim = kv_dtype, head_dim
-        # CPU threads a decode attention may split its keys over (`decode_splits`), read when the
-        # cache is made: a plain attribute, so a compiled decode step sees a constant
-        self.threads = torch.get_num_threads() if torch.device(device).type == "cpu" else 1
         if window is not None:
             capacity = window
         shape = (batch, num_kv_heads, capacity)
@@ -67,6 +64,9 @@ class LayerKVCache(nn.Module):
             self.register_buffer(name, torch.zeros(*shape, last, dtype=plane_dtype, device=device))
         self.register_buffer("pos", torch.full(shape, -1, dtype=torch.long, device=device))
         self.register_buffer("cursor", torch.zeros(1, dtype=torch.long, device=device))  # next slot (full layers)
+        # CPU threads a decode attention may split its keys over (`decode_splits`), read when the
+        # cache is made: a plain attribute, so a compiled decode step sees a constant
+        self.threads = torch.get_num_threads() if self.pos.device.type == "cpu" else 1
 
     def _plane_specs(self, head_dim: int, dtype) -> dict:
         """name -> (last dimension, dtype) of every plane, k's then v's."""
