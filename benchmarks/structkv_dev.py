@@ -149,13 +149,11 @@ def run_labelled(model, cfg: EvalConfig, runs: dict, out: Path, head: str) -> di
     each label is (labels of earlier invocations stay described), summary.md has `head` on top.
     The summary and metrics.json cover every described label's predictions on this run's samples,
     not only this run's labels (a sweep continued with `--only` keeps its earlier rows)."""
-    runner.run(cfg, out, model, configs=runs)
     known = out / "configurations.json"
     described = json.loads(known.read_text()) if known.exists() else {}
     described |= {label: repr(m) for label, m in runs.items()}
-    write_text_atomic(known, json.dumps(described, indent=2))
-    done = runner._read_predictions(out / "predictions.jsonl")
-    result = runner._report(cfg, out, done, labels=list(described))
+    result = runner.run(cfg, out, model, configs=runs, report_labels=list(described))
+    write_text_atomic(known, json.dumps(described, indent=2))  # after the run: a refused folder is left as it was
     table = runner.summary_markdown(result)
     write_text_atomic(out / "summary.md", head + table)
     print(head + table)

@@ -429,12 +429,14 @@ class Progress:
 
 
 def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool = True,
-        configs: dict | None = None) -> dict:
+        configs: dict | None = None, report_labels=None) -> dict:
     """Run (or resume) the evaluation into `out`; returns the metrics (also written as files).
 
     configs: label -> method instance, run instead of the registry's `cfg.methods` x `cfg.kv_budgets`
     (a development sweep over one method's options, benchmarks/structkv_dev.py); each label names
     its run in the records and tables ("name@budget" reads as a method at a budget).
+    report_labels: the labels the metrics and tables cover (default: this run's), e.g. every label
+    a development folder holds, so a sweep continued with fewer labels keeps the others' rows.
     """
     if model is None:
         from ...models import load
@@ -515,7 +517,7 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
                     result = _run_alone(model, sample, m, _cap(cfg, sample), cfg.compile)
                     file(label, name, budget, sample, result, graphs)
     bar.close()
-    return _report(cfg, out, done, configs=configs)
+    return _report(cfg, out, done, configs=configs, labels=report_labels)
 
 
 def report(cfg: EvalConfig, out: str | os.PathLike, *, write: bool = True, configs: dict | None = None) -> dict:
