@@ -116,8 +116,9 @@ def decode_splits(k: torch.Tensor, threads: int) -> int:
     or under two threads; else the largest power of two <= 2 x threads whose ranges still hold
     `SPLIT_BYTES` of keys and values and divide the cache. Why: on CPU, SDPA runs one task per
     (row, KV head), so a single-row decode of a model with 1-3 KV heads leaves threads idle; measured
-    on the 2-core reference machine (a throwaway microbenchmark, one step's attention per layer): Gemma 3 270M at 4352 slots
-    815 -> 479 us (2 ranges), SmolLM2 at 4096 706 -> 422 us (4), while 1 MiB and less gains nothing."""
+    on the 2-core reference machine (a throwaway microbenchmark, one step's attention per layer):
+    Gemma 3 270M at 4352 slots 815 -> 479 us (2 ranges), SmolLM2 at 4096 706 -> 422 us (4), while
+    1 MiB and less gains nothing."""
     if threads < 2 or k.device.type != "cpu":
         return 1
     total, slots, splits = 2 * k.numel() * k.element_size(), k.shape[2], 1
