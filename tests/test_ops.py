@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -228,6 +228,28 @@ def test_sliding_window_attention_op(S, window):
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=visible(pos, pos, window), scale=0.3, enable_gqa=True)
     assert torch.allclose(out, ref, atol=1e-5)
     torch.library.opcheck(torch.ops.structkv.sliding_window_attention.default, (q, k, v, pos, window, 0.3))
+
+
+@settings(max_examples=40, deadline=None)
+@given(S=st.integers(1, 60), window=st.integers(1, 12), block=st.integers(1, 9), pad=st.integers(0, 5),
+       gaps=st.booleans(), seed=st.integers(0, 2**16))
+def test_sliding_blocks_equal_one_masked_call(S, window, block, pad, gaps, seed):
+    """Sliding attention in blocks of any size equals one masked call over every key, for left
+    padding and for a kept subset of a prompt (increasing positions with gaps)."""
+    import torch.nn.functional as F
+
+    from structkv.ops import visible
+    from structkv.ops.attention import sliding_self_attention
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, S, 8, generator=g)
+    k, v = torch.randn(2, 2, S, 8, generator=g), torch.randn(2, 2, S, 8, generator=g)
+    step = torch.randint(1, 4, (2, S), generator=g) if gaps else torch.ones(2, S, dtype=torch.long)
+    pos = step.cumsum(1) - 1  # (2, S) increasing
+    pos[1, : min(pad, S - 1)] = -1  # left padding in row 1 (one valid token kept)
+    out = sliding_self_attention(q, k, v, pos, window, 0.3, block)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=visible(pos, pos, window), scale=0.3, enable_gqa=True)
+    assert torch.allclose(out, ref, atol=1e-5)
 
 
 @pytest.mark.parametrize("padded", [True, False])

@@ -175,8 +175,7 @@ def test_compiled_one_row_int8_reads_the_codes_in_float32(head):
     """A compiled decode step's one int8 row runs `int8_row_fused` (the LM head: `int8_head_logits`,
     a graph of its own): the float32 product with the dequantized weight (no bf16 rounding of x)."""
     torch.manual_seed(4)
-    lin = QuantizedLinear.from_weight(torch.randn(40, 96), "int8", torch.randn(40))
-    lin.head = head
+    lin = QuantizedLinear.from_weight(torch.randn(40, 96), "int8", torch.randn(40), head=head)
     x = torch.randn(1, 1, 96)
     step = torch.compile(lambda x: lin(x) * 2, fullgraph=True, dynamic=False)
     ref = (x.reshape(1, 96) @ lin.dequantize().t()).view(1, 1, 40) + lin.bias

@@ -50,18 +50,18 @@ class QuantizedLinear(nn.Module):
     projection does."""
 
     def __init__(self, kind: str, in_features: int, out_features: int, bias: torch.Tensor | None = None,
-                 reduce=None):
+                 reduce=None, head: bool = False):
         super().__init__()
         self.kind, self.in_features, self.out_features, self.reduce = kind, in_features, out_features, reduce
-        self.head = False  # the LM head: its one row runs compiled on its own (see `forward`)
+        self.head = head  # the LM head: its one row runs compiled on its own (see `forward`)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, kind: str, bias: torch.Tensor | None = None,
-                    reduce=None) -> "QuantizedLinear":
+                    reduce=None, head: bool = False) -> "QuantizedLinear":
         """Quantize a float weight (N, K). "int4" on a shape the packing cannot take raises."""
         N, K = weight.shape
-        mod = cls(kind, K, N, bias, reduce)
+        mod = cls(kind, K, N, bias, reduce, head)
         w = weight.detach().float()
         if kind == "bf16":
             mod.register_buffer("weight", w.to(torch.bfloat16))
@@ -85,28 +85,33 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (..., K) -> (M, K)
-        # One row (a decode step) compiled: int8 as a reduction inductor fuses (`int8_row_fused`, faster
-        # than the packed kernel there), except the LM head, a graph of its own (`int8_head_logits`: in
-        # the decode graph inductor fused the final norm into its loop, SmolLM2 87 -> 62 tokens/s); int4
-        # calls the packed kernel directly, so it sits in the graph without the opaque op's Python call
-        # (~9 us, 7 per layer per token). Other row counts go through the op, which picks packed or GEMM
-        # at run time: in a prefill compiled for any length, a test of the count would be a guard on the
-        # length ("== 1" is not: dynamic sizes start at 2).
-        if self.kind == "int8" and x2.shape[0] == 1 and torch.compiler.is_compiling():
-            x1 = x.reshape(1, -1).float()  # (..., K) -> (1, K)
-            y = (int8_head_logits(x1, self.codes, self.scales.float()[:, None]) if self.head
-                 else int8_row_fused(x1, self.codes, self.scales))
-        elif self.kind == "bf16":
-            y = F.linear(x2, self.weight)
-        elif self.kind == "int8":
-            y = (int8_product if x2.shape[0] == 1 else int8_linear)(x2, self.codes, self.scales)
-        else:
-            y = (int4_product if x2.shape[0] == 1 else int4_linear)(x2, self.packed, self.scale_zero, INT4_GROUP)
+        y = self._product(x.reshape(-1, self.in_features))  # (..., K) -> (M, K) -> (M, N)
         y = y.to(x.dtype).view(*lead, self.out_features)  # (M, N) -> (..., N)
         if self.reduce is not None:
             y = self.reduce(y)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        """x (M, K) -> (M, N). One row (a decode step) compiled: int8 as a reduction inductor fuses
+        (`int8_row_fused`, faster than the packed kernel there, on float32 x), except the LM head, a
+        graph of its own (`int8_head_logits`: in the decode graph inductor fused the final norm into
+        its loop, SmolLM2 87 -> 62 tokens/s); int4 calls the packed kernel directly, so it sits in the
+        graph without the opaque op's Python call (~9 us, 7 per layer per token). Other row counts go
+        through the op, which picks packed or GEMM at run time: in a prefill compiled for any length,
+        a test of the count would be a guard on the length ("== 1" is not: dynamic sizes start at 2).
+        The packed kernels take bf16 x."""
+        one = x.shape[0] == 1
+        if self.kind == "int8" and one and torch.compiler.is_compiling():
+            x = x.float()
+            if self.head:
+                return int8_head_logits(x, self.codes, self.scales.float()[:, None])
+            return int8_row_fused(x, self.codes, self.scales)
+        x = x.to(torch.bfloat16)
+        if self.kind == "bf16":
+            return F.linear(x, self.weight)
+        if self.kind == "int8":
+            return (int8_product if one else int8_linear)(x, self.codes, self.scales)
+        return (int4_product if one else int4_linear)(x, self.packed, self.scale_zero, INT4_GROUP)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight (N, K) these codes stand for, as the kernel computes with it (tests)."""
@@ -190,8 +195,7 @@ def quantize_model(model, weights: str) -> None:
                     setattr(parent, name, QuantizedLinear.from_weight(old.weight, kind, old.bias,
                                                                       getattr(old, "tp", None) and old.tp.all_reduce))
     outer = "bf16" if weights == "bf16" else "int8"
-    head = QuantizedLinear.from_weight(model.lm_head.weight, outer)
-    head.head = True
+    head = QuantizedLinear.from_weight(model.lm_head.weight, outer, head=True)
     table = head if tied else QuantizedLinear.from_weight(model.model.embed_tokens.weight, outer)
     model.lm_head, model.model.embed_tokens = head, QuantizedEmbedding(table, dtype)
     model.weights = weights
