@@ -181,3 +181,19 @@ def test_compiled_one_row_int8_reads_the_codes_in_float32(head):
     ref = (x.reshape(1, 96) @ lin.dequantize().t()).view(1, 1, 40) + lin.bias
     torch.testing.assert_close(step(x), ref * 2, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lin(x), ref, rtol=0, atol=ref.abs().max().item() * 2**-7)  # eager: the packed kernel
+
+
+@pytest.mark.parametrize("N,K", [(128, 64), (64, 96), (48, 64)])
+def test_int4_weight_read_from_the_bytes_equals_the_kernel(N, K):
+    """`int4_weight` reads the codes straight from the AVX-512 packing where this build uses it (48
+    rows: not whole 64-row blocks, so the kernel on the identity): bit-equal to what the packed
+    kernel multiplies by, which the identity product gives."""
+    from structkv.ops import quantized_linear as Q
+
+    w = torch.randn(N, K)
+    lin = QuantizedLinear.from_weight(w, "int4")
+    eye = torch.eye(K, dtype=torch.bfloat16)
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, lin.packed, INT4_GROUP, lin.scale_zero).t()  # (N, K)
+    assert torch.equal(Q.int4_weight(lin.packed, lin.scale_zero, INT4_GROUP, K), kernel)
+    if Q.avx512_packing() and N % Q.AVX512_ROWS == 0:  # the direct read ran: its codes are the packed ones
+        assert torch.equal(Q.avx512_codes(lin.packed, N, K).int(), _int4_groups(w)[0])
