@@ -10,9 +10,10 @@ from ..compiling import compiled
 BLOCK = 32
 
 
-def _fused_row_logits(h: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """h (1, E) -> (1, V): per block (E / nb columns), sum of code * h, times the block scale,
-    summed over blocks."""
+def int8_block_row(h: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """h (1, E) float, codes (V, E) int8, scales (V, nb) -> (1, V): per block (E / nb columns), sum of
+    code * h, times the block scale, summed over blocks. Written as a reduction for inductor: each
+    code read once and converted in registers (one block per row: `int8_row_fused`)."""
     V, nb = scales.shape
     block = codes.shape[1] // nb
     inner = (h.view(1, 1, nb, block) * codes.view(1, V, nb, block)).sum(-1)  # (1, V, nb)
@@ -24,7 +25,7 @@ def int8_head_logits(h: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor)
     """One row's logits from int8 blocks. Opaque to an enclosing compiled graph and compiled on its
     own: inside the decode graph inductor fused the final norm into this loop (recomputed per
     vocabulary row) and lost the gain; alone it is one loop reading the int8 codes once."""
-    return compiled(_fused_row_logits, dynamic=False, fullgraph=True)(h, codes, scales)
+    return compiled(int8_block_row, dynamic=False, fullgraph=True)(h, codes, scales)
 
 
 @int8_head_logits.register_fake
