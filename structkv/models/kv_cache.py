@@ -23,7 +23,7 @@ import copy
 import torch
 from torch import nn
 
-from ..ops import compact_kv, decode_attention
+from ..ops import compact_kv, cpu_decode, decode_attention
 from ..ops.kv_quant import (
     TABLE_DTYPES,
     TABLES,
@@ -67,6 +67,9 @@ class LayerKVCache(nn.Module):
         # CPU threads a decode attention may split its keys over (`decode_splits`), read when the
         # cache is made: a plain attribute, so a compiled decode step sees a constant
         self.threads = torch.get_num_threads() if self.pos.device.type == "cpu" else 1
+        # the CPU decode kernel (built on first use; False: PyTorch's SDPA), asked here, outside
+        # any compiled step, so the step sees a constant
+        self.kernel = self.pos.device.type == "cpu" and cpu_decode.available()
 
     def _plane_specs(self, head_dim: int, dtype) -> dict:
         """name -> (last dimension, dtype) of every plane, k's then v's."""
@@ -98,6 +101,11 @@ class LayerKVCache(nn.Module):
     def attend(self, q: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
         """One query token per row over this layer's entries: q (B, Hq, 1, D), mask (B, 1|Hkv, 1, C)
         -> (B, Hq, 1, D). Quantized entries are read by `structkv::quantized_decode_attention`."""
+        if self.kernel and cpu_decode.fits(q, self.k):
+            k_planes, v_planes = self._sides()
+            kind = self.kv_dtype or str(self.k.dtype).removeprefix("torch.")
+            if kind in cpu_decode.KINDS:
+                return torch.ops.structkv.cpu_decode_attention(q, k_planes, v_planes, mask, scale, kind, self.threads)
         if self.kv_dtype is None:
             return decode_attention(q, self.k, self.v, mask, scale, self.threads)
         k_planes, v_planes = self._sides()

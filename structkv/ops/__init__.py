@@ -7,9 +7,12 @@
 - `int8_head_logits`: one row's logits from an exact int8 copy of the LM head;
 - `int8_linear`, `int4_linear`: products with weight-only quantized weights (packed CPU kernels);
 - `quantized_decode_attention`: one query token over int8 / int4 KV entries (CPU reference,
-  Triton on CUDA), with `quantize_kv` / `dequantize_kv`, how the entries are stored.
+  Triton on CUDA), with `quantize_kv` / `dequantize_kv`, how the entries are stored;
+- `cpu_decode_attention`: the decode attention's CPU kernel (C, built on first use) over float,
+  bfloat16, int8 or int4 entries, what a CPU cache's `attend` runs when it is available.
 Triton is imported lazily, so the package works where it is absent.
 """
+from . import cpu_decode
 from .attention import CAUSAL_BLOCK, causal_attention, decode_attention, sliding_window_attention, visible
 from .compaction import compact_kv, compact_kv_reference
 from .int8_head import int8_head_logits
@@ -17,7 +20,7 @@ from .kv_quant import dequantize_kv, quantize_kv, quantized_decode_attention
 from .quantized_linear import int4_linear, int8_linear
 from .saliency import window_scores, window_scores_naive, window_scores_reference
 
-__all__ = ["CAUSAL_BLOCK", "causal_attention", "compact_kv", "compact_kv_reference", "decode_attention",
+__all__ = ["CAUSAL_BLOCK", "causal_attention", "compact_kv", "compact_kv_reference", "cpu_decode", "decode_attention",
            "dequantize_kv", "int4_linear", "int8_head_logits", "int8_linear", "quantize_kv",
            "quantized_decode_attention", "sliding_window_attention", "visible", "window_scores",
            "window_scores_naive", "window_scores_reference"]

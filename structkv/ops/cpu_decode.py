@@ -1,0 +1,151 @@
+"""`structkv::cpu_decode_attention`: the decode attention's CPU kernel (csrc/decode_attention.c).
+
+One query token per row over float32, bfloat16, int8 or int4 KV entries, every key and value row
+read once for all the query heads of its KV head (docs/benchmarks.md has the measurements that
+called for it: PyTorch's CPU flash attention spent most of a small model's decode step on its
+fixed costs). The C source is built on first use with the system's C compiler into
+`$STRUCTKV_CACHE/kernels` (named by a digest of the source, the flags, the compiler and the CPU,
+written atomically) and called through ctypes inside an opaque custom op, so a compiled decode
+step keeps it as one node. Where no compiler is found or the build fails, `available()` is False
+with the reason in `unavailable_reason()`, and the callers keep PyTorch's SDPA (the reference).
+`STRUCTKV_CPU_KERNELS=0` turns the kernel off (to compare against the reference).
+"""
+from __future__ import annotations
+
+import array
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+KINDS = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3}
+MAX_G, MAX_D, VECTOR = 16, 512, 16  # the kernel's fixed limits (csrc: MAX_G, MAX_D, L)
+
+
+def _cpu_id() -> str:
+    """What -march=native compiles for: the CPU's model and flags (a cache folder shared by
+    machines of different CPUs must not hand one the other's build)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _build(compiler: str) -> Path:
+    """The shared library for this source, flags, compiler and CPU, built once (atomically)."""
+    from ..fetch import cache_root
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_id()]).encode()).hexdigest()
+    lib = cache_root() / "kernels" / f"decode_attention-{key[:16]}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{lib.name}.", dir=lib.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode:
+            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """(the library, "") or (None, why not)."""
+    if os.environ.get("STRUCTKV_CPU_KERNELS", "1") == "0":
+        return None, "STRUCTKV_CPU_KERNELS=0"
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        return None, "no C compiler (cc, gcc or clang; or $CC) on PATH"
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return None, f"the CPU decode kernel could not be built: {e}"
+    fn = lib.structkv_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_float]
+    return lib, ""
+
+
+def available() -> bool:
+    return _load()[0] is not None
+
+
+def unavailable_reason() -> str:
+    return _load()[1]
+
+
+def fits(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the kernel takes these shapes (CPU, G and D within its limits, D a multiple of 16);
+    traceable: callers inside a compiled step ask `available()` once, outside it."""
+    G, D = q.shape[1] // k.shape[1], q.shape[-1]
+    return q.device.type == "cpu" and G <= MAX_G and D <= MAX_D and D % VECTOR == 0
+
+
+def kernel_splits(B: int, Hkv: int, T: int, threads: int) -> int:
+    """Key ranges per (row, KV head): enough tasks for every thread twice over, never ranges
+    under 128 keys (their setup would cost more than they read)."""
+    splits = 1
+    while B * Hkv * splits < 2 * threads and T // (2 * splits) >= 128:
+        splits *= 2
+    return splits
+
+
+def _plane(planes: list[torch.Tensor]) -> list[int]:
+    """csrc's plane(): codes, scale, minimum pointers (0 where absent), then each one's strides
+    (elements) over (B, H, T)."""
+    ptrs, strides = [0, 0, 0], [0] * 9
+    for i, t in enumerate(planes):
+        ptrs[i] = t.data_ptr()
+        strides[3 * i:3 * i + 3] = t.stride()[:3]
+    return ptrs + strides
+
+
+def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@torch.library.custom_op("structkv::cpu_decode_attention", mutates_args=())
+def cpu_decode_attention(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], mask: torch.Tensor,
+                         scale: float, kind: str, threads: int) -> torch.Tensor:
+    """q (B, Hq, 1, D) over k, v planes (B, Hkv, T, last) of `kind` ("float32" / "bfloat16": the
+    entries; "int8" / "int4": the planes of `structkv.ops.kv_quant.quantize_kv`) with a bool mask
+    (B, 1|Hkv, 1, T) -> (B, Hq, 1, D) in q's dtype. The caller checks `available` and `fits` first."""
+    B, Hq, _, D = q.shape
+    Hkv, T = k[0].shape[1], k[0].shape[2]
+    G, splits = Hq // Hkv, kernel_splits(B, Hkv, T, threads)
+    k, v = [_last_contiguous(t) for t in k], [_last_contiguous(t) for t in v]
+    q32 = q.reshape(B, Hkv, G, D).float().contiguous()  # (B, Hq, 1, D) -> (B, Hkv, G, D): a KV head's rows together
+    Hm = mask.shape[1]
+    m = mask.reshape(mask.shape[0], Hm, T)  # (B, 1|Hkv, 1, T) -> (B, 1|Hkv, T)
+    m = m.contiguous() if mask.shape[0] == B else m.expand(B, Hm, T).contiguous()
+    out, work = torch.empty(B, Hq, 1, D), torch.empty(splits * B * Hkv * G * (D + 2))
+    groups = k[1].shape[-1] if kind == "int4" else 1
+    args = array.array("q", [KINDS[kind], q32.data_ptr(), out.data_ptr(), work.data_ptr(), m.data_ptr(), Hm * T,
+                             T if Hm > 1 else 0, Hm, B, Hkv, G, T, D, groups, splits, threads, *_plane(k), *_plane(v)])
+    if _load()[0].structkv_decode_attention(args.buffer_info()[0], scale):
+        raise ValueError(f"cpu_decode_attention: G = {G}, D = {D} outside the kernel's limits (G <= {MAX_G}, D <= "
+                         f"{MAX_D} and a multiple of {VECTOR}); check `fits` first")
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+@cpu_decode_attention.register_fake
+def _(q, k, v, mask, scale, kind, threads):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
