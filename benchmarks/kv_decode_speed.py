@@ -1,7 +1,9 @@
 """Decode speed with quantized KV entries, side by side in one run: the same prompt and method
 decoded from float, int8 and int4 entries, alternating settings every repeat (median of repeats),
-with the KV bytes each keeps. On CPU the op's reference dequantizes the cache every step, so this
-says what the smaller cache costs in speed; the CUDA kernel dequantizes in registers instead.
+with the KV bytes each keeps. On CPU every cache reads its entries through the decode kernel
+(`structkv::cpu_decode_attention`, codes dequantized row by row; SDPA over a dequantized copy
+where the kernel is not built), on CUDA through the Triton kernel, so this says what the smaller
+cache gains or costs in speed.
 
     python benchmarks/kv_decode_speed.py --model gemma-3-270m --weights int8 --length 4096 --threads 2
 """
