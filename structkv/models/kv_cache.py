@@ -100,7 +100,9 @@ class LayerKVCache(nn.Module):
 
     def attend(self, q: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
         """One query token per row over this layer's entries: q (B, Hq, 1, D), mask (B, 1|Hkv, 1, C)
-        -> (B, Hq, 1, D). Quantized entries are read by `structkv::quantized_decode_attention`."""
+        -> (B, Hq, 1, D). On CPU, where it is built, the decode kernel reads every kind of entry
+        (`structkv::cpu_decode_attention`); otherwise float entries go to SDPA (`decode_attention`)
+        and quantized ones to `structkv::quantized_decode_attention`."""
         if self.kernel and cpu_decode.fits(q, self.k):
             k_planes, v_planes = self._sides()
             kind = self.kv_dtype or str(self.k.dtype).removeprefix("torch.")

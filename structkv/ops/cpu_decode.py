@@ -45,24 +45,21 @@ def _cpu_id() -> str:
 def _build(compiler: str) -> Path:
     """The shared library for this source, flags, compiler and CPU, built once (atomically)."""
     from ..fetch import cache_root
+    from ..files import write_atomic
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_id()]).encode()).hexdigest()
     lib = cache_root() / "kernels" / f"decode_attention-{key[:16]}.so"
     if lib.exists():
         return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{lib.name}.", dir=lib.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
-                              timeout=300)
+    with tempfile.TemporaryDirectory() as tmp:
+        built = Path(tmp) / lib.name
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
+                              text=True, timeout=300)
         if done.returncode:
             raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, lib)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        with open(built, "rb") as f:
+            write_atomic(f, lib)
     return lib
 
 
