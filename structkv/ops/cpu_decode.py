@@ -27,7 +27,7 @@ import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-KINDS = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3}
+KINDS = {"float32": 0, "bfloat16": 1, "bf16": 1, "int8": 2, "int4": 3}  # "bf16": the cache's kv_dtype name
 MAX_G, MAX_D, VECTOR = 16, 512, 16  # the kernel's fixed limits (csrc: MAX_G, MAX_D, L)
 
 
@@ -97,8 +97,10 @@ def fits(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 def kernel_splits(B: int, Hkv: int, T: int, threads: int) -> int:
-    """Key ranges per (row, KV head): enough tasks for every thread twice over, never ranges
-    under 128 keys (their setup would cost more than they read)."""
+    """The most key ranges per (row, KV head) the kernel may use over T slots (its work buffer is
+    sized by it): enough tasks for every thread twice over, never ranges under 128 keys. The
+    kernel picks the number itself by the same rule from the slots its mask shows (csrc
+    `key_ranges`), which can be far fewer than the capacity T."""
     splits = 1
     while B * Hkv * splits < 2 * threads and T // (2 * splits) >= 128:
         splits *= 2
@@ -129,7 +131,8 @@ def cpu_decode_attention(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.T
     Hkv, T = k[0].shape[1], k[0].shape[2]
     G, splits = Hq // Hkv, kernel_splits(B, Hkv, T, threads)
     k, v = [_last_contiguous(t) for t in k], [_last_contiguous(t) for t in v]
-    q32 = q.reshape(B, Hkv, G, D).float().contiguous()  # (B, Hq, 1, D) -> (B, Hkv, G, D): a KV head's rows together
+    # (B, Hq, 1, D) contiguous is (B, Hkv, G, D) in memory: a KV head's G query rows together
+    q32 = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
     Hm = mask.shape[1]
     m = mask.reshape(mask.shape[0], Hm, T)  # (B, 1|Hkv, 1, T) -> (B, 1|Hkv, T)
     m = m.contiguous() if mask.shape[0] == B else m.expand(B, Hm, T).contiguous()

@@ -1,7 +1,10 @@
 """Quantized KV entries and `structkv::quantized_decode_attention`, the decode attention that reads them.
 
-A cache of `kv_dtype` "int8" or "int4" stores every (token, KV head) entry as codes plus its own
-scale (int4: and minimum), so one outlier token or head never costs the others their precision:
+A cache of `kv_dtype` "bf16" stores its entries in bfloat16 whatever the model's dtype (half a
+float32 cache's bytes, no tables: the 16-bit cache llama.cpp and the serving engines keep by
+default, so a float32 model is compared with them on the same bytes). "int8" or "int4" store every
+(token, KV head) entry as codes plus its own scale (int4: and minimum), so one outlier token or
+head never costs the others their precision:
 - int8: symmetric, codes in [-127, 127], x ~ code * scale, scale = max|x| / 127;
 - int4: asymmetric per group of `INT4_GROUP` dimensions (16 levels cannot span a head whose few
   outlier channels are 10x the rest: one scale per head measured KL 0.76 against the float cache
@@ -26,9 +29,9 @@ import torch
 
 from .attention import decode_attention
 
-KV_DTYPES = ("int8", "int4")
+KV_DTYPES = ("bf16", "int8", "int4")
 # Planes of each kind after the codes: names suffixed to "k" / "v" in a cache, and their dtypes.
-TABLES = {"int8": ("_scale",), "int4": ("_scale", "_min")}
+TABLES = {"bf16": (), "int8": ("_scale",), "int4": ("_scale", "_min")}
 # A minimum is kept exactly: values far from zero next to their spread (a bfloat16 minimum of
 # -85620 is off by up to 512) would otherwise lose the whole int4 grid.
 TABLE_DTYPES = {"_scale": torch.bfloat16, "_min": torch.float32}
@@ -38,11 +41,11 @@ SCALE_DTYPE = torch.bfloat16  # the range of float32: no entry overflows its tab
 
 def check_kv_dtype(kv_dtype) -> None:
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype must be None (the model's float dtype), 'int8' or 'int4', got {kv_dtype!r}")
+        raise ValueError(f"kv_dtype must be None (the model's float dtype), 'bf16', 'int8' or 'int4', got {kv_dtype!r}")
 
 
 def code_width(kv_dtype: str, head_dim: int) -> int:
-    """Last dimension of the code plane: D (int8) or D / 2 (int4, two codes per byte)."""
+    """Last dimension of the code plane: D (bf16, int8) or D / 2 (int4, two codes per byte)."""
     if kv_dtype == "int4" and head_dim % 2:
         raise ValueError(f"int4 KV packs two dimensions per byte: head_dim must be even, got {head_dim}")
     return head_dim // 2 if kv_dtype == "int4" else head_dim
@@ -58,7 +61,7 @@ def int4_group(head_dim: int) -> int:
 
 
 def code_dtype(kv_dtype: str) -> torch.dtype:
-    return torch.int8 if kv_dtype == "int8" else torch.uint8
+    return {"bf16": torch.bfloat16, "int8": torch.int8}.get(kv_dtype, torch.uint8)
 
 
 def _scale(x: torch.Tensor) -> torch.Tensor:
@@ -70,6 +73,8 @@ def _scale(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_kv(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, ...]:
     """x (..., D) float -> the planes (codes, scale[, min]) of `kv_dtype`, each (..., last)."""
+    if kv_dtype == "bf16":
+        return (x.to(torch.bfloat16),)
     x = x.float()
     tiny = torch.finfo(torch.float32).tiny
     if kv_dtype == "int8":
@@ -87,6 +92,8 @@ def quantize_kv(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, ...]:
 def dequantize_kv(planes: tuple[torch.Tensor, ...] | list[torch.Tensor], kv_dtype: str,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The planes of `quantize_kv` -> x (..., D) in `dtype`."""
+    if kv_dtype == "bf16":
+        return planes[0].to(dtype)
     if kv_dtype == "int8":
         codes, scale = planes
         return (codes.float() * scale.float()).to(dtype)
@@ -108,7 +115,7 @@ def quantized_decode_attention(q: torch.Tensor, k: list[torch.Tensor], v: list[t
                                scale: float, kv_dtype: str) -> torch.Tensor:
     """q (B, Hq, 1, D) over quantized k, v planes (B, Hkv, T, last) with a bool mask (B, 1|Hkv, 1, T)
     -> (B, Hq, 1, D) in q's dtype."""
-    if q.device.type == "cuda":
+    if q.device.type == "cuda" and kv_dtype != "bf16":  # bf16 entries: the reference (one cast per step)
         from .triton_kernels import quantized_decode_attention_triton
 
         return quantized_decode_attention_triton(q, k, v, mask, scale, kv_dtype)

@@ -19,6 +19,7 @@
 #define BLOCK 32   /* keys per online-softmax block */
 #define MAX_G 16   /* query rows per KV head */
 #define MAX_D 512  /* head dimension; a multiple of L */
+#define MAX_ACC 16  /* value accumulators (vectors) held in registers */
 #define L 16       /* floats per vector (GCC vector extensions: AVX-512, two AVX2 or four NEON registers) */
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT8 = 2, KIND_INT4 = 3 };
@@ -130,16 +131,63 @@ static inline const float *row(const Plane *pl, int kind, int64_t b, int64_t h, 
     return tmp;
 }
 
+static const float ZERO_ROW[MAX_D];  /* what a masked key reads: no branch in the loops, no stale value */
+
+/* Scores of one query row over 16 keys: lane j = q . rows[j] (q pre-scaled, C vectors). */
+static inline __attribute__((always_inline)) vf scores16(const vf *qv, const float *const *rows, const int C) {
+    vf t[L];
+    for (int j = 0; j < L; j++) {
+        vf t0 = splat(0.0f), t1 = splat(0.0f);
+        for (int c = 0; c + 1 < C; c += 2) {
+            t0 += qv[c] * load(rows[j] + c * L);
+            t1 += qv[c + 1] * load(rows[j] + (c + 1) * L);
+        }
+        if (C % 2) t0 += qv[C - 1] * load(rows[j] + (C - 1) * L);
+        t[j] = t0 + t1;
+    }
+    return sum16(t);
+}
+
+/* acc[g] += sum_j p[g][j] v_j for the rows g0 .. g0 + n_g of a block: every value row is loaded
+ * once for the n_g query rows, whose n_g * C accumulators stay in registers (independent chains,
+ * so the multiply-adds are not serialised on one accumulator's latency). */
+static inline __attribute__((always_inline)) void values(float (*p)[BLOCK], const float *const *rows, int n, int g0,
+                                                         int n_g, const int C, float *acc, const int D) {
+    vf a[MAX_ACC];
+    for (int g = 0; g < n_g; g++)
+        for (int c = 0; c < C; c++) a[g * C + c] = load(acc + (g0 + g) * D + c * L);
+    if (n_g == 1) {  /* one row (wide heads): its C accumulators are the independent chains */
+        for (int j = 0; j < n; j++) {
+            vf w = splat(p[g0][j]);
+            for (int c = 0; c < C; c++) a[c] += w * load(rows[j] + c * L);
+        }
+        for (int c = 0; c < C; c++) store(acc + g0 * D + c * L, a[c]);
+        return;
+    }
+    for (int j = 0; j < n; j++) {
+        vf r[MAX_D / L];
+        for (int c = 0; c < C; c++) r[c] = load(rows[j] + c * L);
+        for (int g = 0; g < n_g; g++) {
+            vf w = splat(p[g0 + g][j]);
+            for (int c = 0; c < C; c++) a[g * C + c] += w * r[c];
+        }
+    }
+    for (int g = 0; g < n_g; g++)
+        for (int c = 0; c < C; c++) store(acc + (g0 + g) * D + c * L, a[g * C + c]);
+}
+
 /* Keys [t0, t1) of (b, h): acc (G, D) = sum_t e^(s_t - m) v_t, with m (G) the running max and
  * l (G) the sum of the weights. Blocks of keys: their rows are found (float32) or dequantized
- * once, then each query row runs over the block with its q (scores) or its acc (values) held in
- * registers. Inlined with D a constant (attend_range_d), so the loops over D unroll. */
+ * once (a masked or absent key points at ZERO_ROW and gets a score of -inf), then each query row
+ * scores the block with its q in registers, and the values are added for several rows at once.
+ * Inlined with D a constant (attend_range_d), so the loops over D unroll. */
 static inline __attribute__((always_inline)) void attend_range(
         const float *q, const Plane *k, const Plane *v, int kind, const uint8_t *mask, int64_t b, int64_t h,
         int64_t t0, int64_t t1, int G, const int D, int groups, float scale, float *acc, float *m, float *l) {
-    const int C = D / L;
+    const int C = D / L, per = C > MAX_ACC ? 1 : MAX_ACC / C;  /* query rows per pass over a block's values */
     float s[MAX_G][BLOCK], buf[BLOCK * MAX_D];
     const float *rows[BLOCK];
+    vi hidden[BLOCK / L];
     for (int g = 0; g < G; g++) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
@@ -147,55 +195,36 @@ static inline __attribute__((always_inline)) void attend_range(
     }
     for (int64_t tb = t0; tb < t1; tb += BLOCK) {
         int n = (int)(t1 - tb < BLOCK ? t1 - tb : BLOCK), seen = 0;
-        for (int j = 0; j < n; j++) {
-            rows[j] = mask[tb + j] ? row(k, kind, b, h, tb + j, D, groups, buf + j * D) : 0;
-            seen |= mask[tb + j];
+        for (int j = 0; j < BLOCK; j++) {
+            int on = j < n && mask[tb + j];
+            rows[j] = on ? row(k, kind, b, h, tb + j, D, groups, buf + j * D) : ZERO_ROW;
+            hidden[j / L][j % L] = on ? 0 : -1;
+            seen |= on;
         }
         if (!seen) continue;
         for (int g = 0; g < G; g++) {
-            vf qv[MAX_D / L];
+            vf qv[MAX_D / L], top;
             for (int c = 0; c < C; c++) qv[c] = load(q + g * D + c * L) * scale;
-            for (int half = 0; half < BLOCK; half += L) {
-                vf t[L];
-                for (int j = 0; j < L; j++) {
-                    const float *r = half + j < n ? rows[half + j] : 0;
-                    vf t0v = splat(0.0f), t1v = splat(0.0f);
-                    for (int c = 0; r && c + 1 < C; c += 2) {
-                        t0v += qv[c] * load(r + c * L);
-                        t1v += qv[c + 1] * load(r + (c + 1) * L);
-                    }
-                    if (r && C % 2) t0v += qv[C - 1] * load(r + (C - 1) * L);
-                    t[j] = t0v + t1v;
-                }
-                store(s[g] + half, sum16(t));
-                for (int j = 0; j < L; j++)
-                    if (half + j >= n || !rows[half + j]) s[g][half + j] = -INFINITY;
-            }
-            vf lo = load(s[g]), hi = load(s[g] + L);
+            vf lo = scores16(qv, rows, C), hi = scores16(qv, rows + L, C);
+            lo = (vf)(((vi)lo & ~hidden[0]) | ((vi)splat(-INFINITY) & hidden[0]));
+            hi = (vf)(((vi)hi & ~hidden[1]) | ((vi)splat(-INFINITY) & hidden[1]));
             vi gt = lo > hi;
-            float top = hmax((vf)(((vi)lo & gt) | ((vi)hi & ~gt)));
-            top = top > m[g] ? top : m[g];
-            lo = exp_nonpositive(lo - top);
-            hi = exp_nonpositive(hi - top);
+            top = (vf)(((vi)lo & gt) | ((vi)hi & ~gt));
+            float mx = hmax(top);
+            mx = mx > m[g] ? mx : m[g];
+            lo = exp_nonpositive(lo - mx);
+            hi = exp_nonpositive(hi - mx);
             store(s[g], lo);
             store(s[g] + L, hi);
-            float keep = exp1(m[g] - top);  /* m = -inf: keep = 0 */
-            for (int d = 0; d < D; d++) acc[g * D + d] *= keep;
+            float keep = exp1(m[g] - mx);  /* m = -inf: keep = 0 */
+            for (int c = 0; c < C; c++) store(acc + g * D + c * L, load(acc + g * D + c * L) * keep);
             l[g] = l[g] * keep + hsum(lo + hi);
-            m[g] = top;
+            m[g] = mx;
         }
         for (int j = 0; j < n; j++)
-            if (rows[j]) rows[j] = row(v, kind, b, h, tb + j, D, groups, buf + j * D);
-        for (int g = 0; g < G; g++) {
-            vf a[MAX_D / L];
-            for (int c = 0; c < C; c++) a[c] = load(acc + g * D + c * L);
-            for (int j = 0; j < n; j++) {
-                if (!rows[j]) continue;
-                vf p = splat(s[g][j]);
-                for (int c = 0; c < C; c++) a[c] += p * load(rows[j] + c * L);
-            }
-            for (int c = 0; c < C; c++) store(acc + g * D + c * L, a[c]);
-        }
+            if (rows[j] != ZERO_ROW) rows[j] = row(v, kind, b, h, tb + j, D, groups, buf + j * D);
+        for (int g0 = 0; g0 < G; g0 += per)
+            values(s, rows, n, g0, G - g0 < per ? G - g0 : per, C, acc, D);
     }
 }
 
@@ -230,16 +259,26 @@ static void visible_range(const uint8_t *mask, int64_t rows, int64_t row_stride,
     }
 }
 
+/* Key ranges per (row, KV head) over `visible` slots: enough tasks for every thread twice over,
+ * never ranges under 128 keys (their setup would cost more than they read), at most `max_splits`
+ * (the work buffer's room). Chosen here, from the range the mask shows, not from the capacity. */
+static int key_ranges(int64_t heads, int64_t visible, int threads, int max_splits) {
+    int splits = 1;
+    while (splits * 2 <= max_splits && heads * splits < 2 * threads && visible / (2 * splits) >= 128) splits *= 2;
+    return splits;
+}
+
 /* q (B, Hkv, G, D) float32 contiguous; mask (B, Hm, T) bytes 0/1, Hm 1 or Hkv, strides mask_sb,
  * mask_sh (0 where broadcast), T contiguous; out (B, Hkv, G, D) float32; work: splits * B * Hkv *
- * G * (D + 2) floats. Returns 0, or -1 for shapes past the fixed limits (the caller checks them). */
+ * G * (D + 2) floats for splits = max_splits. Returns 0, or -1 for shapes past the fixed limits (the caller checks them). */
 static int decode_attention(int kind, const float *q, Plane k, Plane v, const uint8_t *mask, int64_t mask_sb,
                             int64_t mask_sh, int64_t mask_heads, float *out, float *work, int B, int Hkv, int G,
-                            int64_t T, int D, int groups, float scale, int splits, int threads) {
-    if (G > MAX_G || D > MAX_D || D % L || splits < 1) return -1;
-    int64_t tasks = (int64_t)B * Hkv * splits, lo, hi;
+                            int64_t T, int D, int groups, float scale, int max_splits, int threads) {
+    if (G > MAX_G || D > MAX_D || D % L || max_splits < 1) return -1;
+    int64_t lo, hi;
     visible_range(mask, B * mask_heads, T, T, &lo, &hi);
-    int64_t per = hi > lo ? (hi - lo + splits - 1) / splits : 0;
+    int splits = key_ranges(B * Hkv, hi > lo ? hi - lo : 0, threads, max_splits);
+    int64_t tasks = (int64_t)B * Hkv * splits, per = hi > lo ? (hi - lo + splits - 1) / splits : 0;
     float *accs = work, *ms = work + tasks * G * D, *ls = ms + tasks * G;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < tasks; i++) {
@@ -274,7 +313,7 @@ static Plane plane(const int64_t *a) {
 
 /* The entry point, its integers and pointers in one array (one ctypes argument instead of twenty:
  * the call's Python cost is per argument): kind, q, out, work, mask, mask_sb, mask_sh, mask_heads,
- * B, Hkv, G, T, D, groups, splits, threads, then k's and v's planes, 12 each: codes, scale,
+ * B, Hkv, G, T, D, groups, max_splits, threads, then k's and v's planes, 12 each: codes, scale,
  * minimum pointers and their three strides (B, H, T) each. */
 int structkv_decode_attention(const int64_t *a, float scale) {
     return decode_attention((int)a[0], (const float *)a[1], plane(a + 16), plane(a + 28), (const uint8_t *)a[4], a[5],
