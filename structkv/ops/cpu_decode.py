@@ -96,13 +96,12 @@ def fits(q: torch.Tensor, k: torch.Tensor) -> bool:
     return q.device.type == "cpu" and G <= MAX_G and D <= MAX_D and D % VECTOR == 0
 
 
-def kernel_splits(B: int, Hkv: int, T: int, threads: int) -> int:
-    """The most key ranges per (row, KV head) the kernel may use over T slots (its work buffer is
-    sized by it): enough tasks for every thread twice over, never ranges under 128 keys. The
-    kernel picks the number itself by the same rule from the slots its mask shows (csrc
-    `key_ranges`), which can be far fewer than the capacity T."""
+def kernel_splits(B: int, Hkv: int, threads: int) -> int:
+    """The most key ranges per (row, KV head) the kernel may use, which sizes its work buffer:
+    enough tasks for every thread twice over. The kernel picks the number itself (csrc
+    `key_ranges`: the same cap, and no range under 128 of the slots its mask shows)."""
     splits = 1
-    while B * Hkv * splits < 2 * threads and T // (2 * splits) >= 128:
+    while B * Hkv * splits < 2 * threads:
         splits *= 2
     return splits
 
@@ -129,7 +128,7 @@ def cpu_decode_attention(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.T
     (B, 1|Hkv, 1, T) -> (B, Hq, 1, D) in q's dtype. The caller checks `available` and `fits` first."""
     B, Hq, _, D = q.shape
     Hkv, T = k[0].shape[1], k[0].shape[2]
-    G, splits = Hq // Hkv, kernel_splits(B, Hkv, T, threads)
+    G, splits = Hq // Hkv, kernel_splits(B, Hkv, threads)
     k, v = [_last_contiguous(t) for t in k], [_last_contiguous(t) for t in v]
     # (B, Hq, 1, D) contiguous is (B, Hkv, G, D) in memory: a KV head's G query rows together
     q32 = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
