@@ -17,14 +17,14 @@ import tempfile
 from pathlib import Path
 
 
-def tiny_folder() -> Path:
+def tiny_folder(layers: int = 1) -> Path:
     import torch
     from safetensors.torch import save_file
 
     from structkv.models.config import ModelConfig
     from structkv.models.decoder import Decoder
 
-    hf = dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+    hf = dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
               tie_word_embeddings=True)
     torch.manual_seed(0)
@@ -55,6 +55,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tiny-layers", type=int, default=0,
+                    help="also time a tiny decoder of this many layers (the real model's count): the "
+                         "difference to the 1-layer one, per layer, is each layer's fixed cost")
     args = ap.parse_args(argv)
     import torch
 
@@ -63,6 +66,12 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     tiny = tokens_per_s(structkv.load(str(tiny_folder())), args.prompt, args.new_tokens, args.repeats)
     print(f"1-layer tiny decoder: {tiny:.0f} tok/s = {1e3 / tiny:.2f} ms per step of fixed cost")
+    for w in args.weights.split(",") if args.tiny_layers > 1 else []:
+        deep = tokens_per_s(structkv.load(str(tiny_folder(args.tiny_layers)), weights=w), args.prompt,
+                            args.new_tokens, args.repeats)
+        per_layer = (1e3 / deep - 1e3 / tiny) / (args.tiny_layers - 1)
+        print(f"{args.tiny_layers}-layer tiny decoder, {w} weights: {1e3 / deep:.2f} ms per step; "
+              f"{1e3 * per_layer:.1f} us per layer of fixed cost")
     for w in args.weights.split(","):
         real = tokens_per_s(structkv.load(args.model, weights=w), args.prompt, args.new_tokens, args.repeats)
         print(f"{args.model} {w}: {real:.1f} tok/s = {1e3 / real:.1f} ms per step; fixed cost "

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compiling import compiled, mark_warm, should_compile_decode
+from .compiling import compiled, compiled_per_model, mark_warm, should_compile_decode
 from .models.kv_cache import StackedKVCache, StaticKVCache, round_capacity
 from .stats import PrefillStats
 from .text.detokenize import StopText
@@ -53,8 +53,9 @@ def compiled_prefill(backend="inductor"):
 
 
 def compiled_decode(backend="inductor"):
-    """The decode step, compiled once per cache shape."""
-    return compiled(_decode, backend, fullgraph=True, dynamic=False)
+    """The decode step, compiled once per model structure and cache shape (without dynamo's
+    per-step checks of every module and weight: `structkv.compiling.compiled_per_model`)."""
+    return compiled_per_model(_decode, backend, fullgraph=True, dynamic=False)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,

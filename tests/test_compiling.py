@@ -24,3 +24,37 @@ def test_past_the_recompile_limit_runs_eager(monkeypatch):
         raw(torch.ones(2))
         with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):  # else the fallback is dead code
             raw(torch.ones(3))
+
+
+def test_model_guards_are_the_ones_dropped():
+    """The decode step's guard filter drops what dynamo checks on the model argument (the cost that
+    grows with the layer count) and keeps the cache's, the inputs' and the globals'."""
+    on_model = ["model", "model._modules['model']._modules['layers']", "model._buffers['inv_freq']",
+                "dict(type(model).__dict__)['forward'].__code__", "type(model)"]
+    kept = ["cache._modules['layers']", "tokens", "positions", "G['__import_structkv_dot_models_dot_decoder']",
+            "models", "model_2", ""]
+    assert all(compiling._ON_MODEL.match(n) for n in on_model)
+    assert not any(compiling._ON_MODEL.match(n) for n in kept)
+
+
+def test_compiled_decode_per_model_structure(tiny_dir):
+    """Without dynamo's guards on the model, two models of different structure in one process each
+    get their own graph (their logits match eager decode), models of one structure share one, and
+    an in-place conversion (quantize) changes the key."""
+    import structkv
+    from structkv.generation import _decode
+    from structkv.models.quantized import quantize_model
+
+    llama, qwen = structkv.load(str(tiny_dir("llama"))), structkv.load(str(tiny_dir("qwen2")))
+    twin = structkv.load(str(tiny_dir("llama")))
+    assert compiling.structure_key(llama) == compiling.structure_key(twin) != compiling.structure_key(qwen)
+    ids = list(range(3, 40))
+    for model in (llama, qwen, twin):
+        eager = structkv.generate(model, ids, max_new_tokens=6, stop_at_eos=False, compile=False)
+        done = structkv.generate(model, ids, max_new_tokens=6, stop_at_eos=False, compile="eager")
+        assert done.token_ids == eager.token_ids
+    copies = {tag for fn, tag in compiling._OWN_CODE if fn is _decode}
+    assert {compiling.structure_key(llama), compiling.structure_key(qwen)} <= copies  # twin: llama's
+    before = compiling.structure_key(twin)
+    quantize_model(twin, "int8")
+    assert compiling.structure_key(twin) != before

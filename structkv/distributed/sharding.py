@@ -14,6 +14,7 @@ import re
 
 import torch
 
+from ..compiling import forget_structure
 from .linear import RowParallelLinear
 
 ROWS = re.compile(r"model\.layers\.\d+\.(self_attn\.(q|k|v)_proj\.(weight|bias)|mlp\.(gate|up)_proj\.weight)$")
@@ -70,3 +71,4 @@ def shard_model(model, tp) -> None:
             setattr(parent, name, RowParallelLinear(old.in_features, old.out_features, tp,
                                                     bias=old.bias is not None).to(old.weight.device))
     model.tp = tp
+    forget_structure(model)  # changed in place: not the structure a compiled graph may have seen

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..compiling import forget_structure
 from ..ops.int8_head import int8_head_logits
 from ..ops.quantized_linear import int4_linear, int4_product, int4_weight, int8_linear, int8_product, int8_row_fused
 
@@ -199,3 +200,4 @@ def quantize_model(model, weights: str) -> None:
     table = head if tied else QuantizedLinear.from_weight(model.model.embed_tokens.weight, outer)
     model.lm_head, model.model.embed_tokens = head, QuantizedEmbedding(table, dtype)
     model.weights = weights
+    forget_structure(model)  # its modules changed in place: compiled graphs must not take it for the old one
