@@ -120,7 +120,14 @@ def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-@torch.library.custom_op("structkv::cpu_decode_attention", mutates_args=())
+# Registered with torch.library's low-level API rather than `custom_op`: the op runs once per layer
+# per token, and custom_op's Python layers (autograd wrapper, redispatch, aliasing check) cost ~11
+# us a call against ~3.5 us here (a 30-layer model: ~0.2 ms of every step). Inference only.
+_LIB = torch.library.Library("structkv", "FRAGMENT")
+_LIB.define("cpu_decode_attention(Tensor q, Tensor[] k, Tensor[] v, Tensor mask, float scale, str kind, "
+            "int threads) -> Tensor")
+
+
 def cpu_decode_attention(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], mask: torch.Tensor,
                          scale: float, kind: str, threads: int) -> torch.Tensor:
     """q (B, Hq, 1, D) over k, v planes (B, Hkv, T, last) of `kind` ("float32" / "bfloat16": the
@@ -145,6 +152,9 @@ def cpu_decode_attention(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.T
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-@cpu_decode_attention.register_fake
+_LIB.impl("cpu_decode_attention", cpu_decode_attention, "CPU")
+
+
+@torch.library.register_fake("structkv::cpu_decode_attention", lib=_LIB)
 def _(q, k, v, mask, scale, kind, threads):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
