@@ -98,11 +98,14 @@ def forget_structure(model: torch.nn.Module) -> None:
 
 
 def _plain(value):
-    """value if a graph could bake it in as a constant, its fields for a dataclass, else a marker."""
+    """value if a graph could bake it in as a constant (containers and dataclass fields item by
+    item), else its type's name."""
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
         return value
     if isinstance(value, (tuple, list)):
         return tuple(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _plain(v)) for k, v in value.items()))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _plain(tuple(sorted((f.name, _plain(getattr(value, f.name))) for f in dataclasses.fields(value))))
     return type(value).__qualname__

@@ -58,3 +58,20 @@ def test_compiled_decode_per_model_structure(tiny_dir):
     before = compiling.structure_key(twin)
     quantize_model(twin, "int8")
     assert compiling.structure_key(twin) != before
+
+
+def test_structure_key_sees_plain_attributes(tiny_dir):
+    """A plain attribute a graph could bake in (a number, a flag, a dict's items) changes the key;
+    forgetting is what an in-place change must do."""
+    import structkv
+
+    model = structkv.load(str(tiny_dir("llama")))
+    key = compiling.structure_key(model)
+    model.model.layers[0].self_attn.extra = {"window": 8}
+    assert compiling.structure_key(model) == key  # cached until forgotten
+    compiling.forget_structure(model)
+    changed = compiling.structure_key(model)
+    assert changed != key
+    model.model.layers[0].self_attn.extra = {"window": 16}
+    compiling.forget_structure(model)
+    assert compiling.structure_key(model) not in (key, changed)
