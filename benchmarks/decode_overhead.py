@@ -67,9 +67,10 @@ def main(argv=None) -> int:
     tiny = tokens_per_s(structkv.load(str(tiny_folder())), args.prompt, args.new_tokens, args.repeats)
     print(f"1-layer tiny decoder: {tiny:.0f} tok/s = {1e3 / tiny:.2f} ms per step of fixed cost")
     for w in args.weights.split(",") if args.tiny_layers > 1 else []:
-        deep = tokens_per_s(structkv.load(str(tiny_folder(args.tiny_layers)), weights=w), args.prompt,
-                            args.new_tokens, args.repeats)
-        per_layer = (1e3 / deep - 1e3 / tiny) / (args.tiny_layers - 1)
+        # both depths with the same weights, so the difference is the layers' and nothing else
+        shallow, deep = (tokens_per_s(structkv.load(str(tiny_folder(n)), weights=w), args.prompt, args.new_tokens,
+                                      args.repeats) for n in (1, args.tiny_layers))
+        per_layer = (1e3 / deep - 1e3 / shallow) / (args.tiny_layers - 1)
         print(f"{args.tiny_layers}-layer tiny decoder, {w} weights: {1e3 / deep:.2f} ms per step; "
               f"{1e3 * per_layer:.1f} us per layer of fixed cost")
     for w in args.weights.split(","):

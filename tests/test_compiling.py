@@ -39,7 +39,7 @@ def test_model_guards_are_the_ones_dropped():
 
 def test_compiled_decode_per_model_structure(tiny_dir):
     """Without dynamo's guards on the model, two models of different structure in one process each
-    get their own graph (their logits match eager decode), models of one structure share one, and
+    get their own graph (their greedy tokens match eager decode), models of one structure share one, and
     an in-place conversion (quantize) changes the key."""
     import structkv
     from structkv.generation import _decode
