@@ -85,6 +85,8 @@ def _generate(args) -> int:
 
     prompt = _read_prompt(args)
     _writable(cache_root(), "the cache folder", "set STRUCTKV_CACHE to a writable folder")
+    if args.archive_dir:
+        _writable_folder(args.archive_dir, "--archive-dir")
     name = args.method or (methods.CONTEXT_DEFAULT if args.question else "full")  # -q: compressed before the questions
     method = methods.build(name, kv=args.kv_budget, struct=args.struct_budget)
     model = structkv.load(args.model, dtype=args.dtype, tp=args.tp, weights=args.weights, kv_dtype=args.kv_dtype)
@@ -98,6 +100,8 @@ def _generate(args) -> int:
                     top_p=args.top_p, compile=compile_mode, seed=args.seed)
     system = [{"role": "system", "content": args.system}] if args.system else []
     if not args.question:
+        if args.archive or args.recall or args.archive_dir:
+            raise ValueError("--archive, --recall and --archive-dir serve questions asked with -q/--question")
         if args.chat:
             _stream_one(model, args, None, messages=[*system, {"role": "user", "content": prompt}], method=method,
                         **sampling)
@@ -107,7 +111,8 @@ def _generate(args) -> int:
     longest = max(len(model.tokenizer.encode(q, add_bos=False)) for q in args.question) + 32  # + turn markup
     context = [*system, {"role": "user", "content": prompt}] if args.chat else None
     state = structkv.prefill(model, None if args.chat else prompt, method, messages=context,
-                             room=longest + args.max_new_tokens)
+                             room=longest + args.max_new_tokens, archive=args.archive, recall=args.recall,
+                             archive_dir=args.archive_dir)
     for q in args.question:  # compress once, ask many: each question on a copy of the compressed context
         if len(args.question) > 1:
             print(f"Q: {q.strip()}\nA:", end="", flush=True)
@@ -253,7 +258,8 @@ def _eval(args) -> int:
                      longbench_full=args.longbench_full, data_dir=args.data, compile=not args.eager,
                      shared=not args.separate, chat=args.chat, chat_every_task=args.chat_every_task,
                      question_after=args.question_after_compression,
-                     continuation=args.continuation, weights=args.weights, kv_dtype=args.kv_dtype)
+                     continuation=args.continuation, weights=args.weights, kv_dtype=args.kv_dtype,
+                     recall=args.recall or [], archive=args.archive)
     cfg.validate()  # bad names and data folders fail before the model loads
     if args.benchmark == "fidelity":
         from structkv.harness.eval import fidelity as bench
@@ -352,7 +358,8 @@ def _serve(args) -> int:
                         max_batch=args.max_batch, max_tokens=args.max_tokens, room=args.room,
                         min_context_tokens=args.min_context_tokens,
                         compile={"auto": "auto", "always": True, "never": False}[args.compile],
-                        max_prompt_tokens=args.max_prompt_tokens)
+                        max_prompt_tokens=args.max_prompt_tokens, archive=args.archive, recall=args.recall,
+                        archive_dir=args.archive_dir)
     model = structkv.load(args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype)
     app = build(model, settings, max_request_bytes=args.max_request_bytes, api_key=api_key, allowed_hosts=hosts,
                 allowed_origins=args.allow_origin or (), body_timeout_s=args.body_timeout)
@@ -392,6 +399,14 @@ def main(argv=None) -> int:
     g.add_argument("-q", "--question", action="append", default=[],
                    help="a question about the prompt: the prompt is compressed once and every --question is "
                         "answered from that compressed state (repeat the option to ask several)")
+    g.add_argument("--archive", choices=("int4", "int8", "bf16", "float"), default=None,
+                   help="with -q: keep the entries the method evicts, stored small, so each question recalls "
+                        "the ones it needs (ask-time recall; docs/methods.md)")
+    g.add_argument("--recall", default=None,
+                   help="with --archive: entries each archived layer recalls per question, a ratio of the prompt "
+                        "or a count (default 0.1)")
+    g.add_argument("--archive-dir", default=None,
+                   help="with --archive: write the archive to a file in this folder (memory-mapped) instead of RAM")
     g.add_argument("--model", default="gemma-3-270m",
                    help="alias (gemma-3-270m, smollm2), HF folder, .gguf file or Hub id")
     g.add_argument("--chat", action="store_true",
@@ -446,6 +461,12 @@ def main(argv=None) -> int:
                    help="query-agnostic (ruler, longbench): compress the context without the question, then "
                         "append the question (and, with --chat, the end of the turn) uncompressed; default: "
                         "the whole prompt is compressed (query-aware)")
+    e.add_argument("--recall", type=_csv(str), default=None,
+                   help="with --question-after-compression: each compressing method also runs with ask-time recall "
+                        "at these budgets (entries per archived layer, ratios like --kv-budget or counts), labelled "
+                        "name@R_KV+recall<r>; its evicted entries archived as --archive")
+    e.add_argument("--archive", choices=("int4", "int8", "bf16", "float"), default="int4",
+                   help="how the recall runs store the evicted entries (default int4)")
     e.add_argument("--continuation", type=_positive_int, default=64,
                    help="fidelity: tokens of the full cache's greedy continuation scored per prompt")
     e.add_argument("--seed", type=int, default=42)
@@ -507,6 +528,14 @@ def main(argv=None) -> int:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--cache-bytes", type=_bytes, default=1 << 30,
                    help="bound on the compressed contexts kept between requests, e.g. 512MiB (0: no cache)")
+    s.add_argument("--archive", choices=("int4", "int8", "bf16", "float"), default=None,
+                   help="cached contexts keep the entries their method evicts, stored small, and each question "
+                        "recalls the ones it needs (ask-time recall)")
+    s.add_argument("--recall", default=None, help="with --archive: entries recalled per archived layer per question, "
+                                                  "a ratio of the context or a count (default 0.1)")
+    s.add_argument("--archive-dir", default=None,
+                   help="with --archive: each cached context in a file here (hot set + archive; the archive is read "
+                        "from disk and does not count towards --cache-bytes); found again after a restart")
     s.add_argument("--max-queue", type=_positive_int, default=16, help="requests waiting before 503 + Retry-After")
     s.add_argument("--max-batch", type=_positive_int, default=8,
                    help="requests decoding together, one step for all (continuous batching); 1: one at a time")

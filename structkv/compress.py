@@ -54,6 +54,8 @@ class CompressedState:
     kept_columns: torch.Tensor | None = None  # (B, K) prompt columns that reached the last layer, -1 = pad
     source: object = None  # weakref to the model that made it: a state only makes sense on that model
     messages: list | None = None  # the chat messages it holds, when made from messages
+    archive: object = None  # a `KVArchive` of the entries the method evicted (ask-time recall), or None
+    recall: float | int | None = None  # entries each archived layer recalls per question by default (a `Budget`)
 
     def check_model(self, model) -> None:
         """Refuse to extend this state with a model other than the one that made it."""
@@ -128,21 +130,26 @@ class MethodPass:
 
 
 def prepare(method: Method, layout, lengths: torch.Tensor, num_kv_heads: int, head_dim: int, room: int,
-            dtype=torch.float32, device=None, num_tokens: int | None = None, kv_dtype: str | None = None) -> MethodPass:
+            dtype=torch.float32, device=None, num_tokens: int | None = None, kv_dtype: str | None = None,
+            archive: str | None = None) -> MethodPass:
     """`method`'s plan, propagation and cache for prompts of `lengths` (B,) tokens on a model of
     `layout` (a `ModelConfig`, or a `Layout` for a decoder of your own: every layer full
     attention), `room` free slots per layer after the kept entries. `num_tokens`: the prompt's
     columns (padding included; default the longest row); `kv_dtype`: the cache's entries
-    (`BudgetedKVCache`)."""
+    (`BudgetedKVCache`); `archive`: keep the evicted entries in this kind (`structkv.models.archive`)."""
     num_tokens = int(lengths.max()) if num_tokens is None else num_tokens
     plan, prop = method.kv_plan(layout, lengths), method.propagation(layout, lengths)
     if prop is not None:
         prop.begin(num_tokens, device)
     if prop is not None and prop.restart:
+        if archive is not None:
+            raise ValueError(f"{method.name} re-encodes only the tokens it keeps, so nothing it drops has entries to "
+                             "archive; use archive=None or a method that evicts entries")
         return MethodPass(method, plan, prop, None)
     budgets = [max(plan[i]) if i in plan else num_tokens for i in range(layout.num_layers)]
     cache = BudgetedKVCache.for_model(layout, len(lengths), budgets, room, dtype, device, num_kv_heads, head_dim,
                                       kv_dtype)
+    cache.archive_kind = archive
     return MethodPass(method, plan, prop, method.retention(plan, cache))
 
 
@@ -191,11 +198,11 @@ class Ledger:
             t.other_s += seconds
 
 
-def plan_method(model, method: Method, lengths, num_tokens: int, room: int) -> _Target:
+def plan_method(model, method: Method, lengths, num_tokens: int, room: int, archive: str | None = None) -> _Target:
     """`prepare` on the model's config, as a target of the shared pass."""
     cfg = model.config
     p = prepare(method, cfg, lengths, cfg.num_kv_heads, cfg.head_dim, room, model.dtype, model.device, num_tokens,
-                model.kv_dtype)
+                model.kv_dtype, archive)
     return _Target(p.method, p.plan, p.prop, p.store)
 
 
@@ -206,53 +213,68 @@ def check_scorable(cfg) -> None:
 
 @torch.inference_mode()
 def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Method | None = None,
-             room: int = 256, compile=False, timer: Timer = NO_TIMER) -> CompressedState:
+             room: int = 256, compile=False, timer: Timer = NO_TIMER, archive: str | None = None) -> CompressedState:
     """Prefill `tokens` (B, S) at `positions` (B, S) (-1 = left padding) with `method`.
 
     `room`: cache slots after the kept entries for tokens appended later (generation, questions).
     `compile`: False (eager), True (inductor) or a backend: each layer block runs compiled with a
     dynamic length. `timer`: a `structkv.timing.Timer` to fill the phase times of the stats.
+    `archive`: also keep every evicted entry, in this kind ("int4", "int8", "bf16", "float"), as
+    the state's `archive`, so a question can recall them (`structkv.generate(..., recall=...)`).
     """
-    return compress_shared(model, tokens, positions, [method], room, compile, timer=timer)[0]
+    return compress_shared(model, tokens, positions, [method], room, compile, timer=timer, archive=archive)[0]
 
 
 @torch.inference_mode()
 def compress_shared(model, tokens: torch.Tensor, positions: torch.Tensor, methods: list[Method],
-                    room: int = 256, compile=False, timer: Timer | None = None, observe=None) -> list[CompressedState]:
+                    room: int = 256, compile=False, timer: Timer | None = None, observe=None,
+                    archive: str | None = None) -> list[CompressedState]:
     """Compress `tokens` (B, S) at `positions` with every method of `methods` in one pass; the
     states come back in the order of `methods`. `timer`: phase timer (default: one, so each
     method's share can be told); `observe(view)`: called with every layer's `LayerView` of the
-    first stream (calibration reads the pivot statistics there)."""
+    first stream (calibration reads the pivot statistics there); `archive`: see `compress`
+    (every state keeps its own evicted entries), or a list with one kind (or None) per method."""
+    from .models.archive import check_kind
+
     methods = [m or Full() for m in methods]
     if not methods:
         raise ValueError("compress_shared needs at least one method")
     check_scorable(model.config)
+    kinds = list(archive) if isinstance(archive, (list, tuple)) else [archive] * len(methods)
+    if len(kinds) != len(methods):
+        raise ValueError(f"archive: give one kind or one per method ({len(methods)}), got {len(kinds)}")
+    for kind in kinds:
+        check_kind(kind)
+    if any(kinds) and getattr(model, "tp", None) is not None:
+        raise ValueError("an archive (ask-time recall) is not supported under tensor parallelism yet; use archive=None")
     timer = Timer() if timer is None else timer
     groups: dict[str | None, list[int]] = {}  # methods with one probe run on the same tokens
     for i, m in enumerate(methods):
         groups.setdefault(probing.probe_of(m), []).append(i)
     out = [None] * len(methods)
     for text, index in groups.items():
-        group = [methods[i] for i in index]
+        group, archives = [methods[i] for i in index], [kinds[i] for i in index]
         if text is None:
-            states = _compress(model, tokens, positions, group, room, compile, timer, observe)
+            states = _compress(model, tokens, positions, group, room, compile, timer, observe, archive=archives)
         else:
             ids = probing.probe_ids(model, text)
             ext, ext_pos = probing.extend(tokens, positions, ids)
             states = _compress(model, ext, ext_pos, [probing.widened(m, len(ids)) for m in group], room, compile,
-                               timer, observe, probe=len(ids))
+                               timer, observe, probe=len(ids), archive=archives)
         for i, method, state in zip(index, group, states):
             state.method, out[i] = method, state
     return out
 
 
-def _compress(model, tokens, positions, methods, room, compile, timer, observe, probe: int = 0):
-    """The pass of `compress_shared` for methods on the same tokens (the last `probe` a probe)."""
+def _compress(model, tokens, positions, methods, room, compile, timer, observe, probe: int = 0, archive=None):
+    """The pass of `compress_shared` for methods on the same tokens (the last `probe` a probe);
+    `archive`: one kind (or None) per method."""
     ledger = Ledger(timer)
     t0, lengths = clock(), (positions >= 0).sum(1)
     rows = lengths.tolist()  # the one read-back before the layers: every later size follows from it
     with ledger.timer.phase("plan"):
-        targets = [plan_method(model, m, lengths, tokens.shape[1], room) for m in methods]
+        targets = [plan_method(model, m, lengths, tokens.shape[1], room, kind)
+                   for m, kind in zip(methods, archive or [None] * len(methods))]
     lanes = _lanes(targets)
     block = layer_block(compile, model.config)
     pending = [(0, Stream.start(model, tokens, positions, rows, probe), lanes, observe)]
@@ -380,9 +402,21 @@ def _finish(model, tokens, stream: Stream, lanes: list[_Lane], lengths, ledger: 
             extra = getattr(target.store, "reconstruction", None)  # shared in the lane, charged to each in full
             target.own.totals["finish"] += extra["seconds"] if extra else span.seconds
             target.state = CompressedState(target.store.cache, logits, next_positions, lengths.tolist(),
-                                           target.method, None, kept)
+                                           target.method, None, kept, archive=_archive(target.store.cache))
             if stream.probe:
                 probing.drop(target.state, stream.probe)  # before the stats: they count what stays
+
+
+def _archive(cache: BudgetedKVCache):
+    """The evicted entries the cache collected, as a `KVArchive` taken out of it (a cloned cache
+    must not copy them), or None when none was asked for."""
+    from .models.archive import KVArchive
+
+    if cache.archive_kind is None:
+        return None
+    out = KVArchive(cache.archive_kind, dict(cache.evicted))
+    cache.archive_kind, cache.evicted = None, {}
+    return out
 
 
 def _states(model, targets: list[_Target], lanes: list[_Lane], lengths, elapsed: float, ledger: Ledger):
@@ -415,15 +449,29 @@ def _own(target: _Target) -> Timer:
 
 
 def prefill(model, context=None, method: Method | None = None, *, messages=None, room: int = 256,
-            compile=False) -> CompressedState:
+            compile=False, archive: str | None = None, recall=None, archive_dir=None) -> CompressedState:
     """Compress once, ask many: prefill `context` (text, ids or a batch) with `method` and return
     a reusable `CompressedState`; pass it to `structkv.generate(model, question, state=...)`.
     `messages` instead of `context`: a conversation rendered by the model's chat template (e.g. a
-    user turn holding a long document); later turns go to `generate(messages=..., state=...)`."""
+    user turn holding a long document); later turns go to `generate(messages=..., state=...)`.
+
+    Ask-time recall: `archive` ("int4", "int8", "bf16" or "float") keeps what the method evicted,
+    stored small, and every question then recalls `recall` entries per archived layer (a ratio of
+    the context or a count; default `structkv.modules.recall.DEFAULT_RECALL`) chosen by its own
+    attention (`structkv.modules.recall`). `archive_dir`: the archive goes to a file there
+    (memory-mapped; RAM then holds only the hot set)."""
+    from .modules.budget import Budget
+    from .modules.recall import DEFAULT_RECALL
+
     if isinstance(method, str):
         from .methods import get
 
         method = get(method)
+    if archive is None and (recall is not None or archive_dir is not None):
+        raise ValueError("recall= and archive_dir= need an archive of the evicted entries: pass archive='int4' "
+                         "(or 'int8', 'bf16', 'float')")
+    if recall is not None:
+        recall = Budget.parse(recall, "recall").value
     if (context is None) == (messages is None):
         raise ValueError("give the context either as `context` (text or ids) or as chat `messages`")
     if messages is not None:
@@ -431,8 +479,15 @@ def prefill(model, context=None, method: Method | None = None, *, messages=None,
 
         context = encode_chat(_tokenizer(model), messages, add_generation_prompt=False)
     tokens, positions, _ = encode_batch(model, context if is_batch(context) else [context])
-    state = compress(model, tokens, positions, method, room=room, compile=compile)
+    state = compress(model, tokens, positions, method, room=room, compile=compile, archive=archive)
     state.messages = list(messages) if messages is not None else None
+    if state.archive is not None:
+        state.recall = DEFAULT_RECALL if recall is None else recall
+        if archive_dir is not None:
+            import uuid
+            from pathlib import Path
+
+            state.archive = state.archive.save(Path(archive_dir) / f"{uuid.uuid4().hex}.safetensors")
     return state
 
 

@@ -104,7 +104,8 @@ def _method(method):
 @torch.inference_mode()
 def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, stop_at_eos: bool = True, compile="auto",
-             seed: int | None = None, method=None, state=None, stream=None, timing: bool = False) -> GenerationResult:
+             seed: int | None = None, method=None, state=None, stream=None, timing: bool = False,
+             recall=None) -> GenerationResult:
     """Generate a continuation of `prompt` (text, token ids, or a list of either for a batch).
 
     `messages` instead of `prompt`: a conversation ([{"role": "user", "content": ...}, ...])
@@ -120,7 +121,10 @@ def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, tem
     `stream`: called after every step with each row's new token id (None for a row that has
     stopped), so text can be shown as it is produced; returning True stops generation there.
     `timing`: time the compression's phases (scoring, selection, cache fill; synchronises a GPU at
-    each phase). Returns the new text, the new token ids and stats; a list prompt gives lists.
+    each phase). `recall`: with a `state` that has an archive (`structkv.prefill(..., archive=...)`),
+    the entries each archived layer recalls for this question (a ratio of the context or a count;
+    None: the state's own default, 0: none; `structkv.modules.recall`). Returns the new text, the
+    new token ids and stats; a list prompt gives lists.
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
     method = _method(method)
@@ -134,7 +138,7 @@ def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, tem
     decode = compiled_decode(decode_backend) if decode_backend else _decode
     t0 = time.perf_counter()
     run = start(model, prompt, max_new_tokens=max_new_tokens, method=method, state=state, backend=backend,
-                decode_backend=decode_backend, timing=timing)
+                decode_backend=decode_backend, timing=timing, recall=recall)
     sync(model.device)
     t1 = time.perf_counter()
     cache, stats, B = run.cache, run.stats, run.logits.shape[0]
@@ -181,20 +185,23 @@ class Started:
 
 
 def start(model, prompt, *, max_new_tokens: int, method=None, state=None, backend=None, decode_backend=None,
-          timing: bool = False) -> Started:
+          timing: bool = False, recall=None) -> Started:
     """The prompt pass of `generate` (see there): compress `prompt` with `method`, run it whole, or
-    append it to a copy of `state`'s compressed context; `backend` / `decode_backend`: compile the
-    prefill / a one-token prompt's step (None: eager)."""
+    append it to a copy of `state`'s compressed context (recalling from its archive, `recall`);
+    `backend` / `decode_backend`: compile the prefill / a one-token prompt's step (None: eager)."""
     limit = model.config.max_position_embeddings
     stats: dict = {}
     prefill = None
+    if state is None and recall is not None:
+        raise ValueError("recall= reads a compressed state's archive: pass state=structkv.prefill(model, context, "
+                         "method, archive='int4')")
     if state is not None:
         if method is not None:
             raise ValueError("pass either method= (compress this prompt) or state= (reuse a compressed context)")
-        cache, logits, next_pos, lengths = _extend_state(model, state, prompt, max_new_tokens)
-        batched = logits.shape[0] > 1
         prefill = state.stats
         stats.update(state.stats.items())
+        cache, logits, next_pos, lengths = _extend_state(model, state, prompt, max_new_tokens, recall, stats)
+        batched = logits.shape[0] > 1
     else:
         batched = is_batch(prompt)
         tokens, positions, lengths = encode_batch(model, prompt if batched else [prompt])
@@ -267,7 +274,7 @@ def _decode_loop(model, logits, next_pos, cache, max_new_tokens, temperature, to
 @torch.inference_mode()
 def generate_states(model, states, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
                     top_p: float | None = None, stop_at_eos: bool = True, compile=True,
-                    seed: int | None = None, question=None) -> list[GenerationResult]:
+                    seed: int | None = None, question=None, recall=None) -> list[GenerationResult]:
     """Continue several compressed prompts (`CompressedState`s, e.g. every method's state from
     `structkv.compress_shared`) in one batched decode: their caches are stacked row-wise
     (`StackedKVCache`), so each step reads the weights once for all of them. Each result equals
@@ -278,7 +285,9 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
 
     `question` (text or ids, the same for every state): appended uncompressed to every stacked
     context before decoding, as `generate(model, question, state=...)` does for one state (the
-    states must be compressed with room for it plus the new tokens).
+    states must be compressed with room for it plus the new tokens). `recall`: as in `generate`,
+    one for every state or a list with one per state; a state that recalls extends its own copy
+    (its answer's cache is its own), then all are stacked for the decode.
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
     if not states:
@@ -296,7 +305,15 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
         raise ValueError(f"prompt + {len(asked)} question + {max_new_tokens} new tokens exceed the model's "
                          f"{limit} positions")
     logits = torch.cat([s.logits for s in states])  # (R, V)
-    if asked:
+    recalls = recall if isinstance(recall, (list, tuple)) else [recall] * len(states)
+    if len(recalls) != len(states):
+        raise ValueError(f"recall: give one value or one per state ({len(states)}), got {len(recalls)}")
+    asks = [{} for _ in states]  # each state's recall stats
+    if asked and any(resolve_recall(s, r) is not None for s, r in zip(states, recalls)):
+        parts = [_extend_state(model, s, asked, max_new_tokens, r, a) for s, r, a in zip(states, recalls, asks)]
+        cache = StackedKVCache([p[0] for p in parts])
+        logits, next_pos = torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
+    elif asked:
         rows = next_pos.shape[0]
         positions = next_pos + torch.arange(len(asked), device=model.device)  # (R, S_q)
         logits = model.extend(torch.tensor([asked], device=model.device).expand(rows, -1), positions, cache)
@@ -310,7 +327,7 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
     sync(model.device)
     decode_s = time.perf_counter() - t1
     results, row = [], 0
-    for state, b in zip(states, cache.rows):
+    for state, b, ask in zip(states, cache.rows, asks):
         rows = ids[row:row + b]
         row += b
         texts = [model.tokenizer.decode(r) for r in rows] if model.tokenizer is not None else [None] * b
@@ -318,7 +335,7 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
                  "question_tokens": len(asked),
                  "decode_tokens_per_s": float("nan"),
                  "kv_cache_bytes": sum(layer.nbytes() for layer in state.cache.layers),
-                 "kv_bytes_kept": sum(state.cache.nbytes())}
+                 "kv_bytes_kept": sum(state.cache.nbytes()), **ask}
         results.append(GenerationResult(texts[0] if b == 1 else texts, rows[0] if b == 1 else rows, stats,
                                         state.stats))
     return results
@@ -362,6 +379,10 @@ def format_stats(stats: dict) -> str:
                      f"{stats['kv_bytes_all_ranks'] / 2**20:.2f} MiB kept over all)")
     parts.append(f"{stats['new_tokens']} new tokens in {stats['decode_s']:.2f} s "
                  f"({stats['decode_tokens_per_s']:.1f} tok/s)")
+    if stats.get("recall") is not None:
+        parts.append(f"recalled {stats['recalled_entries']} entries ({stats['kv_bytes_recalled'] / 2**20:.2f} MiB) "
+                     f"from a {stats['archive_kind']} archive of {stats['archive_bytes'] / 2**20:.2f} MiB"
+                     + (f" ({stats['archive_file']})" if stats.get("archive_file") else ""))
     parts.append("compiled " + " and ".join(stats["compiled_parts"]) if stats.get("compiled_parts") else "eager")
     return "structkv: " + ", ".join(parts)
 
@@ -429,8 +450,10 @@ def _question_ids(model, question) -> list[int]:
     return ids
 
 
-def _extend_state(model, state, question, max_new_tokens):
-    """Append `question` (same for every row) to a copy of the compressed context.
+def _extend_state(model, state, question, max_new_tokens, recall=None, stats: dict | None = None):
+    """Append `question` (same for every row) to a copy of the compressed context, recalling
+    `recall` entries per archived layer from the state's archive (None: the state's default; 0:
+    none); what recall did goes into `stats`.
 
     Returns the extended cache, the question's last logits (B, V), the next positions (B, 1) and
     the tokens per row so far."""
@@ -442,14 +465,50 @@ def _extend_state(model, state, question, max_new_tokens):
                          f"{max_new_tokens} "
                          f"new tokens exceed the model's {model.config.max_position_embeddings} positions; "
                          "ask for fewer tokens or compress a shorter context")
-    cache = state.cache.clone()
     B = state.logits.shape[0]
-    free = min(layer.capacity - int(layer.cursor) for layer in cache.layers if layer.window is None)
+    free = min(layer.capacity - int(layer.cursor) for layer in state.cache.layers if layer.window is None)
     if len(ids) + max_new_tokens > free:
         raise ValueError(f"question ({len(ids)} tokens) + {max_new_tokens} new tokens exceed the {free} free cache "
                          "slots of this state; call structkv.prefill(model, context, method, room=...) with more room")
     tokens = torch.tensor([ids], device=model.device).expand(B, -1)  # (B, S_q)
     positions = state.next_positions + torch.arange(len(ids), device=model.device)  # (B, S_q)
-    logits = model.extend(tokens, positions, cache)
+    recall = resolve_recall(state, recall)
+    if recall is None:
+        cache = state.cache.clone()
+        logits = model.extend(tokens, positions, cache)
+    else:
+        from .modules.recall import recall_extend
+
+        t0 = time.perf_counter()
+        cache, logits, done = recall_extend(model, state, tokens, positions, recall)
+        sync(model.device)
+        if stats is not None:
+            stats.update(recall_stats(state, recall, done, time.perf_counter() - t0))
     lengths = [n + len(ids) for n in state.lengths]
     return cache, logits, positions[:, -1:] + 1, lengths
+
+
+def resolve_recall(state, recall):
+    """The recall budget a question on `state` uses: `recall` (0: none), or the state's default;
+    None when nothing is recalled. A budget without an archive is refused."""
+    from .modules.budget import Budget
+
+    if isinstance(recall, (int, float)) and not isinstance(recall, bool) and recall == 0:
+        return None
+    if recall is None:
+        return state.recall if state.archive is not None else None
+    if state.archive is None:
+        raise ValueError("recall= needs a state with an archive of its evicted entries: make it with "
+                         "structkv.prefill(model, context, method, archive='int4')")
+    return Budget.parse(recall, "recall").value
+
+
+def recall_stats(state, recall, done: dict, seconds: float) -> dict:
+    """What a question's recall did, for its stats: the budget, entries recalled from the archive,
+    the archive's size and the bytes read from it, and the seconds the question's extension took."""
+    return {"recall": recall, "recalled_entries": done["recalled"], "recall_chosen": done["chosen"],
+            "kv_bytes_recalled": done["recalled_bytes"],
+            "archive_kind": state.archive.kind, "archive_bytes": state.archive.nbytes(),
+            "archive_entries": state.archive.entries(), "archive_bytes_read": done["archive_bytes_read"],
+            "archive_file": str(state.archive.path) if state.archive.path is not None else None,
+            "question_s": seconds}

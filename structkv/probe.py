@@ -57,6 +57,9 @@ def drop(state, probe_len: int) -> None:
     end = state.next_positions - probe_len  # (B, 1): the context's next position
     for layer in state.cache.layers:
         layer.pos.masked_fill_(layer.pos >= end[:, :, None], -1)  # (B, Hkv, C)
+    if state.archive is not None:  # entries of the probe are never context to recall
+        for layer in state.archive.layers.values():
+            layer.pos.masked_fill_(layer.pos >= end.view(1, -1, 1), -1)  # (A, B, Hkv)
     state.next_positions = end
     if state.kept_columns is not None:
         cols = state.kept_columns

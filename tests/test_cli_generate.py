@@ -88,6 +88,24 @@ def test_questions_answer_from_one_compressed_state(byte_model, byte_model_dir, 
     assert err.count("structkv: method") == 2
 
 
+def test_questions_recall_from_an_archive_file(byte_model, byte_model_dir, capsys, tmp_path):
+    """--archive / --recall / --archive-dir reach the compression: each answer is the library's
+    with the same archive and budget, and the archive lives in a file in the folder."""
+    context = "Notes: the meeting is on Tuesday in room 4. " * 10
+    question = "\nQ: Which room?\nA:"
+    argv = [context, "--method", "snapkv", "--kv-budget", "0.2", "-q", question, "--archive", "int8",
+            "--recall", "16", "--archive-dir", str(tmp_path / "archives")]
+    assert _gen(byte_model_dir, *argv) == 0
+    out, err = capsys.readouterr()
+    state = structkv.prefill(byte_model, context, methods.get("snapkv", kv_budget=0.2), room=64, archive="int8",
+                             recall=16)
+    expected = structkv.generate(byte_model, question, state=state, max_new_tokens=12, compile=False)
+    assert out == expected.text + "\n"
+    assert "recalled" in err and "int8 archive" in err and len(list((tmp_path / "archives").iterdir())) == 1
+    assert _gen(byte_model_dir, context, "--archive", "int4") == 2  # without a question: refused
+    assert "serve questions" in capsys.readouterr().err
+
+
 def test_questions_without_a_method_get_the_context_default_at_its_own_budget(byte_model_dir, monkeypatch, capsys):
     """-q without --method compresses with `CONTEXT_DEFAULT` (`structkv_agnostic_union`), and
     without --kv-budget at that method's own default (20 % of the entries), which --kv-budget

@@ -630,3 +630,61 @@ def test_a_second_signal_ends_the_server_at_once(chat_dir):
         if proc.poll() is None:
             proc.kill()
     assert "Abort" not in proc.stdout.read()
+
+
+def test_archived_contexts_recall_survive_a_restart_and_refuse_damaged_files(chat_model, tmp_path):
+    """With --archive/--archive-dir each cached context is a file (hot set + archive): answers equal
+    the library's with the same recall; a restarted server answers from the file (no compression);
+    a damaged file is never read: the context is compressed again. The bound counts the hot sets;
+    the archives on disk apart."""
+    from structkv.serve.engine import _split_at_context
+
+    question = [{"role": "user", "content": QUESTIONS[0]}]
+    kw = dict(archive="int4", recall=24, archive_dir=str(tmp_path))
+
+    def ask(doc):
+        with Background(build(chat_model, settings(**kw))) as running:
+            client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+            out = client.chat.completions.create(model=NAME, messages=question, temperature=0, max_tokens=8,
+                                                 extra_body={"context": doc})
+            metrics = httpx.get(running.url + "/metrics", timeout=10).text
+        return out, metrics
+
+    first, metrics = ask(DOC)
+    assert first.model_extra["structkv"]["context_cache"] == "miss"
+    assert "structkv_context_cache_archive_disk_bytes" in metrics
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1
+    prefix, rest = _split_at_context(chat_model.tokenizer, question, DOC)
+    state = structkv.prefill(chat_model, prefix, methods.get("snapkv", kv_budget=0.3), room=64, archive="int4",
+                             recall=24)
+    expected = structkv.generate(chat_model, rest, state=state, max_new_tokens=8, temperature=0, compile=False)
+    assert expected.stats["recalled_entries"] > 0
+    assert first.choices[0].message.content == expected.text
+    again, _ = ask(DOC)  # a new server: the file, not a new compression
+    assert again.model_extra["structkv"]["context_cache"] == "disk"
+    assert again.choices[0].message.content == expected.text
+    data = bytearray(files[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    files[0].write_bytes(bytes(data))
+    damaged, _ = ask(DOC)
+    assert damaged.model_extra["structkv"]["context_cache"] == "miss"  # compressed again, not read
+    assert damaged.choices[0].message.content == expected.text
+
+
+def test_archived_states_count_apart_in_the_bound(chat_model, tmp_path):
+    from structkv.serve.context_cache import ContextCache, hot_bytes, state_bytes
+
+    state = structkv.prefill(chat_model, chat_model.tokenizer.encode(DOC), methods.get("snapkv", kv_budget=0.3),
+                             room=64, archive="int4")
+    assert state_bytes(state) == hot_bytes(state) + state.archive.nbytes()  # in RAM: counted
+    cache = ContextCache(1 << 30)
+    cache.put("ram", state)
+    on_file = structkv.prefill(chat_model, chat_model.tokenizer.encode(DOC), methods.get("snapkv", kv_budget=0.3),
+                               room=64, archive="int4", archive_dir=tmp_path)
+    assert state_bytes(on_file) == hot_bytes(on_file)  # on disk: not in the RAM bound
+    cache.put("disk", on_file)
+    split = cache.split()
+    assert split == {"hot_bytes": hot_bytes(state) + hot_bytes(on_file), "archive_ram_bytes": state.archive.nbytes(),
+                     "archive_disk_bytes": on_file.archive.nbytes()}
+    assert cache.nbytes == state_bytes(state) + state_bytes(on_file)

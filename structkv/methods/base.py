@@ -74,6 +74,9 @@ class Method:
     # Whether the method has the structural budget R_struct (`struct_budget`: tokens that go on
     # past its propagation layer), for the harnesses that speak in R_KV / R_struct.
     has_struct_budget: ClassVar[bool] = False
+    # Whether its propagation re-encodes the tokens it keeps (GemFilter): the final cache then holds
+    # nothing it evicted, so it has no archive for ask-time recall.
+    restarts: ClassVar[bool] = False
 
     def validate(self) -> None:
         for name in BUDGETS:

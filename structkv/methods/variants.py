@@ -162,6 +162,7 @@ class GemFilter(Method):
     kernel: int = 5
     window: int = 0  # the official code forces nothing in
     name = "gemfilter"  # scores with its own raw last-query q.k, not window_scores
+    restarts: ClassVar[bool] = True
 
     def prefill_key(self):
         return ("gemfilter", id(self))  # its re-run depends on kv_budget: never shared

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.attention import CAUSAL_BLOCK, causal_attention, decode_attention, sliding_window_attention, visible
+from ..ops.attention import CAUSAL_BLOCK, causal_attention, decode_attention, sliding_window_attention
 from . import linear
 from .config import ModelConfig, inv_frequencies
 from .linear import Linear, skinny
@@ -108,24 +108,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None):
         """x (B, S, E) at `positions` (B, S) -> (attention output (B, S, E), q, k, v).
 
-        Without `cache` the tokens attend to themselves (blockwise ops). With a `LayerKVCache` they
-        attend to the cached entries and causally to each other, then are appended: one token is
-        written first and reads the buffer in place (decode); several attend over cache + new and
-        are written after (a ring could otherwise overwrite keys an earlier new token still sees).
+        Without `cache` the tokens attend to themselves (blockwise ops). With a layer cache they
+        attend to its entries and causally to each other, and are appended: the cache behind one
+        call (`LayerKVCache.attention`; a question's recall layer, `structkv.modules.recall`, is
+        another cache of this one call).
         """
         q, k, v = self.qkv(x, cos, sin)
         if cache is None:
             return self_attention(self, q, k, v, positions), q, k, v
-        if q.shape[2] == 1:
-            cache.write(k, v, positions)
-            out = cache.attend(q, visible(positions, cache.pos, self.window), self.scale)  # (B, Hq, 1, D)
-            return self.o_proj(out.reshape(q.shape[0], 1, -1)), q, k, v
-        old_k, old_v = cache.read(k.dtype)
-        new_pos = positions[:, None].expand(-1, k.shape[1], -1)  # (B, Hkv, S)
-        keys = (torch.cat([old_k, k], 2), torch.cat([old_v, v], 2), torch.cat([cache.pos, new_pos], 2))
-        out = self.attend(q, keys[0], keys[1], visible(positions, keys[2], self.window))
-        cache.write(k, v, positions)
-        return out, q, k, v
+        return cache.attention(self, q, k, v, positions), q, k, v
 
 
 def self_attention(attn: "Attention", q, k, v, positions: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import copy
 import torch
 from torch import nn
 
-from ..ops import compact_kv, cpu_decode, decode_attention
+from ..ops import compact_kv, cpu_decode, decode_attention, visible
 from ..ops.kv_quant import (
     TABLE_DTYPES,
     TABLES,
@@ -112,6 +112,49 @@ class LayerKVCache(nn.Module):
             return decode_attention(q, self.k, self.v, mask, scale, self.threads)
         k_planes, v_planes = self._sides()
         return quantized_decode_attention(q, k_planes, v_planes, mask, scale, self.kv_dtype)
+
+    def attention(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """New tokens q (B, Hq, S, D), k, v (B, Hkv, S, D) at `positions` (B, S) attend to the entries
+        and causally to each other, and are appended: (B, S, E) after `attn`'s output projection.
+        One token is written first and reads the buffer in place (decode); several attend over
+        entries + new and are written after (a ring could otherwise overwrite keys an earlier new
+        token still sees)."""
+        if q.shape[2] == 1:
+            self.write(k, v, positions)
+            out = self.attend(q, visible(positions, self.pos, attn.window), attn.scale)  # (B, Hq, 1, D)
+            return attn.o_proj(out.reshape(q.shape[0], 1, -1))
+        old_k, old_v = self.read(k.dtype)
+        new_pos = positions[:, None].expand(-1, k.shape[1], -1)  # (B, Hkv, S)
+        keys = (torch.cat([old_k, k], 2), torch.cat([old_v, v], 2), torch.cat([self.pos, new_pos], 2))
+        out = attn.attend(q, keys[0], keys[1], visible(positions, keys[2], attn.window))
+        self.write(k, v, positions)
+        return out
+
+    def append_entries(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Append entries with their own position per head, k, v (B, Hkv, K, D), pos (B, Hkv, K)
+        (-1: an empty slot), at the cursor of a full-attention layer (recalled entries)."""
+        B, H, K, _ = k.shape
+        if self.window is not None:
+            raise ValueError("entries are appended per head only to full-attention layers, not to a ring")
+        if int(self.cursor) + K > self.capacity:
+            raise ValueError(f"{K} entries do not fit the {self.capacity - int(self.cursor)} free slots")
+        slots = slice(int(self.cursor), int(self.cursor) + K)
+        for name, src in zip(self.planes, self.encode(k, v)):
+            getattr(self, name)[:, :, slots] = src
+        self.pos[:, :, slots] = pos
+        self.cursor.add_(K)
+
+    def grown(self, extra: int) -> "LayerKVCache":
+        """A copy with `extra` more free slots (a ring is copied as it is)."""
+        if self.window is not None:
+            return copy.deepcopy(self)
+        used = int(self.cursor)
+        out = LayerKVCache(self.pos.shape[0], self.pos.shape[1], round_capacity(self.capacity + extra), self.head_dim,
+                           self.k.dtype, self.pos.device, kv_dtype=self.kv_dtype)
+        for name in (*self.planes, "pos"):
+            getattr(out, name)[:, :, :used] = getattr(self, name)[:, :, :used]
+        out.cursor.copy_(self.cursor)
+        return out
 
     def _sides(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The planes of k and of v (codes, then their tables)."""
@@ -288,6 +331,9 @@ class BudgetedKVCache(KVCache):
             raise ValueError(f"need one ring setting per layer: {len(capacities)} capacities, {len(rings)} rings")
         self.layers = nn.ModuleList(LayerKVCache(batch, num_kv_heads, capacity, head_dim, dtype, device, window=ring,
                                                  kv_dtype=kv_dtype) for capacity, ring in zip(capacities, rings))
+        # `archive_kind` set (`structkv.models.archive`): what each selection drops is kept in `evicted`
+        # (layer -> ArchiveLayer), taken out by the prefill into its state's archive
+        self.archive_kind, self.evicted = None, {}
 
     @classmethod
     def for_model(cls, cfg, batch: int, budgets: list[int], room: int, dtype, device, num_kv_heads: int | None = None,
@@ -314,6 +360,10 @@ class BudgetedKVCache(KVCache):
         if indices is None or cache.window is not None:
             cache.fill(k, v, positions)
             return
+        if self.archive_kind is not None:
+            from .archive import build
+
+            self.evicted[layer] = build(self.archive_kind, k, v, positions, indices)
         indices, planes, half = pads_last(indices), cache.encode(k, v), len(cache.planes) // 2
         names = cache.planes
         for i in range(half):  # codes, then each scale table: the same gather

@@ -5,6 +5,11 @@ be shared that way, because what a method keeps depends on the whole context it 
 on the method and its budgets). So the unit cached here is a whole `CompressedState`, keyed by
 (method, options, the context's token ids) and reused only for exactly that context. Least
 recently used states are dropped first so that the buffers held stay under a byte bound.
+
+With ask-time recall a state also holds an archive of what its method evicted: in RAM it counts
+towards the bound; in a file (`structkv serve --archive-dir`) it does not (it is on disk, read by
+each question through a memory map), and the state's file lets a restarted server answer without
+compressing the document again. `split` counts hot sets and archives apart.
 """
 from __future__ import annotations
 
@@ -20,8 +25,21 @@ def context_key(method_key: tuple, token_ids: list[int]) -> tuple:
 
 
 def state_bytes(state) -> int:
-    """Bytes a state holds: its cache buffers as allocated (kept entries + room) and its logits."""
+    """Bytes a state holds in RAM: its hot set's buffers as allocated (kept entries + room), its
+    logits, and its archive when the archive is in memory (an archive in a file is on disk)."""
+    return hot_bytes(state) + (archive_bytes(state) if not on_disk(state) else 0)
+
+
+def hot_bytes(state) -> int:
     return sum(state.cache.nbytes(used=False)) + state.logits.numel() * state.logits.element_size()
+
+
+def archive_bytes(state) -> int:
+    return state.archive.nbytes() if state.archive is not None else 0
+
+
+def on_disk(state) -> bool:
+    return state.archive is not None and state.archive.path is not None
 
 
 class ContextCache:
@@ -62,6 +80,11 @@ class ContextCache:
             self._states[key], self._bytes[key] = state, size
             return True
 
+    def discard(self, key) -> None:
+        """Forget the state under `key` (e.g. its file turned out damaged)."""
+        with self._lock:
+            self._drop(key)
+
     def _drop(self, key) -> None:
         self._states.pop(key, None)
         self._bytes.pop(key, None)
@@ -69,6 +92,14 @@ class ContextCache:
     @property
     def nbytes(self) -> int:
         return sum(list(self._bytes.values()))  # list(): one atomic copy while another thread writes
+
+    def split(self) -> dict:
+        """The bound's use counted apart: hot sets in RAM, archives in RAM, archives in files."""
+        with self._lock:
+            states = list(self._states.values())
+        return {"hot_bytes": sum(map(hot_bytes, states)),
+                "archive_ram_bytes": sum(archive_bytes(s) for s in states if not on_disk(s)),
+                "archive_disk_bytes": sum(archive_bytes(s) for s in states if on_disk(s))}
 
     def __len__(self) -> int:
         return len(self._states)

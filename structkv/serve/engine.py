@@ -17,6 +17,7 @@ context the whole prompt is compressed with the method, question included (query
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import queue
 import threading
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 from ..compress import prefill
 from ..generation import _backends, start
 from ..methods import CONTEXT_DEFAULT, Budget, build, has_struct_budget, names
+from ..models.archive import ArchiveError, check_kind
+from ..models.state_file import load_state, save_state
 from ..text import chat
 from ..text.detokenize import StopText
 from .batcher import Batch, Row
@@ -58,12 +61,23 @@ class Settings:
     min_context_tokens: int = 256  # a conversation's history shorter than this is not cached
     compile: object = "auto"
     max_prompt_tokens: int | None = None  # per request, prompt tokens (None: the model's positions)
+    # Ask-time recall for cached contexts: their evicted entries archived as `archive`, `recall`
+    # of them recalled per archived layer by every question; `archive_dir`: each cached context in a
+    # file there (hot set + archive), its archive read from disk, found again after a restart
+    archive: str | None = None
+    recall: float | int | str | None = None
+    archive_dir: str | None = None
 
     def __post_init__(self):
         for name in ("kv_budget", "struct_budget"):
             if getattr(self, name) is not None:
                 setattr(self, name, Budget.parse(getattr(self, name), name).value)
         self.context_method = self.context_method or CONTEXT_DEFAULT
+        check_kind(self.archive)
+        if self.archive is None and (self.recall is not None or self.archive_dir is not None):
+            raise ValueError("--recall and --archive-dir need --archive (int4, int8, bf16 or float)")
+        if self.recall is not None:
+            self.recall = Budget.parse(self.recall, "recall").value
         for name in (self.method, self.context_method):
             build(name, kv=self.kv_budget, struct=self.struct_budget)  # a bad default fails at start-up
 
@@ -282,20 +296,64 @@ class Engine:
         backend = dict(max_new_tokens=job.max_new, backend=prefill_backend, decode_backend=step_backend)
         if job.prefix is not None:
             need = len(job.rest) + job.max_new
-            key = context_key((self.settings.model_name, *job.method_key), job.prefix)
+            key = context_key((self.settings.model_name, *job.method_key, ("archive", self.settings.archive)),
+                              job.prefix)
             state = self.cache.get(key, room=need)
             run.status = "hit" if state is not None else "miss"
             if state is None:
-                state = prefill(self.model, job.prefix, job.method, room=max(self.settings.room, need))
+                state = self._stored(key, job, need)
+                run.status = "disk" if state is not None else "miss"
+            if state is None:
+                state = self._compress(key, job, need)
+            if run.status == "miss" or run.status == "disk":
                 self.cache.put(key, state)
+            try:
+                started = start(self.model, job.rest, state=state, **backend)
+            except ArchiveError as e:  # its file was damaged since it was opened: never answer from it
+                log.warning("%s; compressing the context again", e)
+                self.cache.discard(key)
+                self._file(key).unlink(missing_ok=True)
+                state, run.status = self._compress(key, job, need), "miss"
+                self.cache.put(key, state)
+                started = start(self.model, job.rest, state=state, **backend)
             run.state = state
-            started = start(self.model, job.rest, state=state, **backend)
         else:
             started = start(self.model, job.rest, method=job.method, **backend)
         run.prefill_s = time.perf_counter() - t0
         req = job.req
         return Row(started, job.max_new, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                    on_token=run.on_token, tag=run)
+
+    def _compress(self, key, job: Job, need: int):
+        """The job's context compressed (archived, and written to its file, when the server recalls)."""
+        s = self.settings
+        if s.archive is None or job.method.restarts:
+            return prefill(self.model, job.prefix, job.method, room=max(s.room, need))
+        state = prefill(self.model, job.prefix, job.method, room=max(s.room, need), archive=s.archive,
+                        recall=s.recall)
+        if s.archive_dir is not None:
+            save_state(state, self._file(key))
+        return state
+
+    def _stored(self, key, job: Job, need: int):
+        """The context's state from its file (a restart, or one dropped from RAM), or None; a file
+        that cannot be trusted is removed, and the context is compressed again."""
+        path = self._file(key) if self.settings.archive_dir is not None else None
+        if path is None or not path.exists():
+            return None
+        try:
+            state = load_state(path, self.model, job.method)
+        except ArchiveError as e:
+            log.warning("%s; compressing the context again", e)
+            path.unlink(missing_ok=True)
+            return None
+        return state if state.cache.free() >= need else None
+
+    def _file(self, key):
+        from pathlib import Path
+
+        name = hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+        return Path(self.settings.archive_dir) / f"{name}.safetensors"
 
     def _finish(self, row: Row) -> None:
         run, done = row.tag, time.perf_counter()
@@ -316,14 +374,14 @@ class Engine:
         self._account(job, stats, len(row.tokens), run.status)
         job.emit("done", {"text": run.text.text, "finish_reason": row.finish, "stats": stats,
                           "usage": usage(job.prompt_tokens, len(row.tokens),
-                                         len(job.prefix) if run.status == "hit" else 0)})
+                                         len(job.prefix) if run.status in ("hit", "disk") else 0)})
 
     def _account(self, job: Job, stats: dict, completion_tokens: int, status: str) -> None:
         m = self.metrics
         m.add("prompt_tokens", job.prompt_tokens)
         m.add("completion_tokens", completion_tokens)
         if status != "off":
-            m.add(f"context_cache_{'hits' if status == 'hit' else 'misses'}")
+            m.add(f"context_cache_{ {'hit': 'hits', 'disk': 'disk_hits'}.get(status, 'misses')}")
         m.observe("queue_seconds", stats["queue_s"])
         m.observe("prefill_seconds", stats["prefill_s"])
         m.observe("time_to_first_token_seconds", stats["time_to_first_token_s"])

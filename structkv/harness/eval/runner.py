@@ -27,7 +27,7 @@ BENCHMARKS = ("ruler", "longbench", "niah", "fidelity")
 # Settings that define what a result means: a folder cannot mix runs that differ in these.
 DEFAULT_SAMPLES = 10  # generated samples per task (RULER, niah) when not given
 IDENTITY = ("benchmark", "model", "seed", "first", "struct_budget", "max_new_tokens", "window", "longbench_full",
-            "chat", "chat_every_task", "question_after", "continuation", "weights", "kv_dtype")
+            "chat", "chat_every_task", "question_after", "continuation", "weights", "kv_dtype", "archive")
 
 
 @dataclass
@@ -71,9 +71,16 @@ class EvalConfig:
     weights: str = "fp32"
     # How the KV caches store their entries: None (the model's floats), "int8", "int4"
     kv_dtype: str | None = None
+    # Ask-time recall (question after compression): every compressing method also runs once per
+    # recall budget here (label "name@R_KV+recall<r>"), its evicted entries archived as `archive`
+    recall: list = field(default_factory=list)
+    archive: str = "int4"
 
     def __post_init__(self):  # budgets parsed once, where the config is made ("0.1" a ratio, "512" a count)
         self.kv_budgets = [Budget.parse(b, "kv_budget").value for b in self.kv_budgets]
+        self.recall = [Budget.parse(r, "recall").value for r in self.recall]
+        from ...models.archive import check_kind
+        check_kind(self.archive)
         self.struct_budget = Budget.parse(self.struct_budget, "struct_budget").value
         check_weights(self.weights)
         check_kv_dtype(self.kv_dtype)
@@ -97,6 +104,11 @@ class EvalConfig:
             raise ValueError(f"continuation must be a positive number of tokens, got {self.continuation!r}")
         if self.chat_every_task and not self.chat:
             raise ValueError("--chat-every-task changes what --chat wraps; add --chat")
+        if self.recall and not self.question_after:
+            raise ValueError("--recall asks each question against the compressed context: add "
+                             "--question-after-compression")
+        if self.recall and not self.shared:
+            raise ValueError("--recall runs in the shared pass; drop --separate")
         if self.question_after and self.benchmark == "niah":
             raise ValueError("--question-after-compression supports ruler and longbench; the needle grid's "
                              "prompts have no separate question")
@@ -172,7 +184,16 @@ def method_runs(cfg: EvalConfig, configs: dict | None = None) -> list[tuple[str,
             runs.append(("full", "full", None))
         else:
             runs += [(f"{name}@{b:g}", name, b) for b in cfg.kv_budgets]
+            if not methods_registry.METHODS[name].cls.restarts:  # GemFilter re-encodes what it keeps: no archive
+                runs += [(f"{name}@{b:g}+recall{r:g}", name, b) for b in cfg.kv_budgets for r in cfg.recall]
     return runs
+
+
+def recall_of(label: str):
+    """The recall budget a run's label asks for ("snapkv@0.1+recall0.05" -> 0.05), or None."""
+    if "+recall" not in label:
+        return None
+    return Budget.parse(label.rsplit("+recall", 1)[1], "recall").value
 
 
 def make_method(cfg: EvalConfig, name: str, kv_budget: float | None):
@@ -497,15 +518,19 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
                 question, context = sample.get("question_ids"), tuple(sample["input_ids"])
                 labels = tuple(t[0] for t in todo)
                 reused = question is not None and last is not None and last[:2] == (context, labels)
+                recalls = [recall_of(t[0]) for t in todo]
                 if not reused:  # compressed once per context: its other questions reuse the states
                     states = _compress_all(model, sample["input_ids"], [t[3] for t in todo],
-                                           _cap(cfg, sample) + room.get(context, 0), cfg.compile)
+                                           _cap(cfg, sample) + room.get(context, 0), cfg.compile,
+                                           cfg.archive if any(r is not None for r in recalls) else None, recalls)
                     last = (context, labels, states)
-                results = _answer(model, last[2], _cap(cfg, sample), cfg.compile, question)  # made now or reused
+                results = _answer(model, last[2], _cap(cfg, sample), cfg.compile, question,
+                                  [r or 0 for r in recalls])  # states made now or reused
                 for (label, name, budget, _), result in zip(todo, results):
                     s = result.stats
                     file(label, name, budget, sample, result, graphs, decode_tokens_per_s=None, shared=True,
-                         decode_rows=s["decode_rows"], decode_s=s["decode_s"], state_reused=reused)
+                         decode_rows=s["decode_rows"], decode_s=s["decode_s"], state_reused=reused,
+                         **{k: s[k] for k in RECALL_FIELDS if k in s})
         else:
             for label, name, budget in runs:
                 m = method(label, name, budget)
@@ -586,22 +611,36 @@ def _question_room(samples: list[dict]) -> dict[tuple, int]:
     return out
 
 
-def _compress_all(model, input_ids: list[int], methods: list, room: int, compile) -> list:
+# What a recall run adds to its records: the budget, what it recalled and the archive it read.
+RECALL_FIELDS = ("recall", "recalled_entries", "kv_bytes_recalled", "archive_bytes", "archive_entries",
+                 "archive_bytes_read", "question_s")
+
+
+def _compress_all(model, input_ids: list[int], methods: list, room: int, compile, archive=None,
+                  recalls=None) -> list:
     """One prefill pass of every method over `input_ids` (methods share the layers before their
-    propagation), each state with `room` free slots."""
+    propagation), each state with `room` free slots; with `archive`, the states of the runs that
+    recall (`recalls`, one per method; None: none) keep their evicted entries."""
     from ...compress import compress_shared
     from ...text.prompts import encode_batch
 
     tokens, positions, _ = encode_batch(model, [input_ids])
-    return compress_shared(model, tokens, positions, methods, room=room, compile=compile)
+    recalls = recalls or [None] * len(methods)
+    kinds = [archive if r is not None and not m.restarts else None for m, r in zip(methods, recalls)]
+    states = compress_shared(model, tokens, positions, methods, room=room, compile=compile, archive=kinds)
+    for state, recall in zip(states, recalls):
+        state.recall = recall if state.archive is not None else None
+    return states
 
 
-def _answer(model, states: list, max_new_tokens: int, compile, question=None) -> list:
-    """One stacked decode of every state, after `question` (appended uncompressed to each; the
-    states are not modified, so a context's next question can reuse them)."""
+def _answer(model, states: list, max_new_tokens: int, compile, question=None, recall=None) -> list:
+    """One stacked decode of every state, after `question` (appended uncompressed to each, with
+    `recall` from the states' archives; the states are not modified, so a context's next question
+    can reuse them)."""
     from ...generation import generate_states
 
-    return generate_states(model, states, max_new_tokens=max_new_tokens, compile=compile, question=question)
+    return generate_states(model, states, max_new_tokens=max_new_tokens, compile=compile, question=question,
+                           recall=recall)
 
 
 def _run_alone(model, sample: dict, method, max_new_tokens: int, compile):
@@ -635,8 +674,10 @@ def aggregate(records: list[dict]) -> dict:
     medians over the calls that did not compile, when there are any; the rest: means)."""
     rows: dict[str, dict] = {}
     for r in records:
+        run = r["label"].split("@")[0] + ("+recall" + r["label"].rsplit("+recall", 1)[1] if "+recall" in r["label"]
+                                          else "")
         row = rows.setdefault(f"{r['label']}|{r['length_budget']}", {
-            "label": r["label"], "run": r["label"].split("@")[0], "method": r["method"], "kv_budget": r["kv_budget"],
+            "label": r["label"], "run": run, "method": r["method"], "kv_budget": r["kv_budget"],
             "struct_budget": r["struct_budget"], "length": r["length_budget"], "tasks": {}, "_recs": []})
         if row["method"] != r["method"]:
             raise ValueError(f"label {r['label']!r} holds results of two methods: {row['method']!r} and "
@@ -657,6 +698,9 @@ def aggregate(records: list[dict]) -> dict:
             row[stat] = mean([r[stat] for r in recs])
         kept = [r["kv_bytes_kept"] for r in recs if r.get("kv_bytes_kept") is not None]  # older folders lack it
         row["kv_bytes_kept"] = mean(kept) if len(kept) == len(recs) else None
+        for stat in ("archive_bytes", "kv_bytes_recalled", "question_s"):  # recall runs only
+            values = [r[stat] for r in recs if r.get(stat) is not None]
+            row[stat] = mean(values) if values else None
         table.append(row)
     table.sort(key=lambda r: (r["length"], r["kv_budget"] or 0, r["label"]))
     return {"rows": table}
@@ -665,8 +709,9 @@ def aggregate(records: list[dict]) -> dict:
 def summary_markdown(result: dict, cfg: EvalConfig | None = None) -> str:
     rows = result["rows"]
     tasks = sorted({t for r in rows for t in r["tasks"]})
+    recall = any(r.get("archive_bytes") is not None for r in rows)
     head = ["method", "R_KV", "length", *tasks, "avg", "samples", "prefill s", "prefill frac", "KV MiB kept",
-            "KV MiB alloc", "decode tok/s"]
+            "KV MiB alloc", "decode tok/s", *(["archive MiB", "recalled MiB", "question s"] if recall else [])]
     lines = []
     if cfg is not None:
         asked = set(cfg.tasks or cfg.all_tasks())
@@ -691,5 +736,8 @@ def summary_markdown(result: dict, cfg: EvalConfig | None = None) -> str:
                   "-" if r.get("kv_bytes_kept") is None else f"{r['kv_bytes_kept'] / 2**20:.2f}",
                   f"{r['kv_cache_bytes'] / 2**20:.1f}",
                   f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] is not None else "-"]
+        if recall:
+            cells += ["-" if r.get(k) is None else f"{r[k] / d:.{p}f}" for k, d, p in (
+                ("archive_bytes", 2**20, 2), ("kv_bytes_recalled", 2**20, 3), ("question_s", 1, 3))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,218 @@
+"""The archive of a compressed state: the KV entries its method evicted, stored small.
+
+Eviction decided before the question is a guess; the archive keeps what the guess dropped, so a
+question can recall it at ask time (`structkv.modules.recall`). Per archived layer (a layer whose
+entries the method selected: the full-attention layers of a compressing method), the entries
+every (row, KV head) did not keep, in `kind`:
+- "int4" / "int8": the codes and per-entry tables of `structkv.ops.kv_quant` (the kit's own
+  bit-packing: int4 keeps two codes a byte, a scale and minimum per 32 dimensions);
+- "bf16": 16-bit floats; "float": the model's own dtype (exact: a reference, not a saving).
+
+Layout: entry-major, every plane (A, B, Hkv, last) and positions (A, B, Hkv) int32 (-1: no
+entry; rows and heads of one layer evict the same number of entries, so only rows shorter than
+the longest pad). Entry-major so that a tile of entries is one contiguous block, in memory and in
+a file, and `tile(s, e)` reads only that block.
+
+In a file (`save` / `open`), the archive is a safetensors file read through a memory map: a tile
+is read from the page cache when a question needs it, so a server can keep many archives on disk
+and only their hot sets in RAM. Every tensor's CRC-32 is in the file's metadata and checked the
+first time its layer is read: a corrupt or truncated file is refused with `ArchiveError`, never
+read as wrong entries.
+"""
+from __future__ import annotations
+
+import io
+import json
+import zlib
+from pathlib import Path
+
+import torch
+
+from ..files import write_atomic
+from ..ops.kv_quant import dequantize_kv, quantize_kv
+
+KINDS = ("int4", "int8", "bf16", "float")
+FORMAT = "structkv-archive/1"
+DTYPES = {"U8": torch.uint8, "I8": torch.int8, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+          "F64": torch.float64, "I32": torch.int32, "I64": torch.int64}  # safetensors' names
+PLANES = {"int4": 3, "int8": 2, "bf16": 1, "float": 1}  # planes per side (codes, then tables)
+
+
+class ArchiveError(ValueError):
+    """An archive file that cannot be trusted (corrupt, truncated, of another format)."""
+
+
+def check_kind(kind) -> None:
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"archive must be None (no archive), 'int4', 'int8', 'bf16' or 'float' (the model's dtype, "
+                         f"exact), got {kind!r}")
+
+
+def encode(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, ...]:
+    """x (..., D) float -> the planes of `kind`."""
+    return (x,) if kind == "float" else quantize_kv(x, kind)
+
+
+def decode(planes, kind: str, dtype=torch.float32) -> torch.Tensor:
+    return planes[0].to(dtype) if kind == "float" else dequantize_kv(planes, kind, dtype)
+
+
+class ArchiveLayer:
+    """One layer's evicted entries: `planes` (k's planes then v's, each (A, B, Hkv, last)) and
+    `pos` (A, B, Hkv). `tile(s, e)` gives entries s..e-1 as floats (B, Hkv, t, D) and their
+    positions (B, Hkv, t); `take(index)` gathers single entries."""
+
+    def __init__(self, kind: str, planes: list[torch.Tensor], pos: torch.Tensor, check=None):
+        self.kind, self.planes, self.pos = kind, planes, pos
+        self._check = check  # a file's CRC check, run once before the first read
+
+    @property
+    def size(self) -> int:
+        return self.pos.shape[0]
+
+    def _ready(self) -> None:
+        if self._check is not None:
+            self._check()
+            self._check = None
+
+    def positions(self) -> torch.Tensor:
+        """(B, Hkv, A) int64 original positions, -1 = none."""
+        self._ready()
+        return self.pos.permute(1, 2, 0).long()
+
+    def tile(self, s: int, e: int, side: str, dtype=torch.float32) -> torch.Tensor:
+        """Keys (`side` "k") or values ("v") of entries s..e-1 as floats (B, Hkv, t, D)."""
+        self._ready()
+        return decode([p[s:e].permute(1, 2, 0, 3) for p in self._side(side)], self.kind, dtype)
+
+    def tile_bytes(self, s: int, e: int, side: str) -> int:
+        """Bytes `tile(s, e, side)` reads."""
+        return sum(p[s:e].numel() * p.element_size() for p in self._side(side))
+
+    def _side(self, side: str) -> list[torch.Tensor]:
+        half = len(self.planes) // 2
+        return self.planes[:half] if side == "k" else self.planes[half:]
+
+    def take(self, index: torch.Tensor, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries at `index` (B, Hkv, K) (entry numbers, each < size) as floats (B, Hkv, K, D)."""
+        self._ready()
+        B, H, K = index.shape
+        rows = torch.arange(B, device=index.device).view(B, 1, 1)
+        heads = torch.arange(H, device=index.device).view(1, H, 1)
+        half = len(self.planes) // 2
+        picked = [p[index, rows, heads] for p in self.planes]  # (B, Hkv, K, last) each
+        return decode(picked[:half], self.kind, dtype), decode(picked[half:], self.kind, dtype)
+
+    def nbytes(self) -> int:
+        """Bytes of the entries' planes and positions (padding included)."""
+        return sum(p.numel() * p.element_size() for p in self.planes) + self.pos.numel() * self.pos.element_size()
+
+
+class KVArchive:
+    """The evicted entries of every archived layer (`layers`: layer index -> `ArchiveLayer`);
+    `path`: the file it lives in, None in memory."""
+
+    def __init__(self, kind: str, layers: dict[int, ArchiveLayer], path: Path | None = None):
+        self.kind, self.layers, self.path = kind, layers, path
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers.values())
+
+    def entries(self) -> int:
+        """Archived (entry, KV head) pairs over every layer and row."""
+        return sum(int((layer.pos >= 0).sum()) for layer in self.layers.values())
+
+    def save(self, path) -> "KVArchive":
+        """Write to `path` (a safetensors file, written whole or not at all) and return the archive
+        read back from it (memory-mapped: this one's tensors can then be freed)."""
+        from safetensors.torch import save
+
+        tensors = {}
+        for i, layer in self.layers.items():
+            for j, plane in enumerate(layer.planes):
+                tensors[f"{i}.{j}"] = plane.contiguous()
+            tensors[f"{i}.pos"] = layer.pos.contiguous()
+        crc = {name: zlib.crc32(_bytes(t)) for name, t in tensors.items()}
+        meta = {"format": FORMAT, "kind": self.kind, "layers": json.dumps(sorted(self.layers)),
+                "crc32": json.dumps(crc)}
+        write_atomic(io.BytesIO(save(tensors, metadata=meta)), Path(path))
+        return open_archive(path)
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).flatten().numpy())
+
+
+def build(kind: str, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kept: torch.Tensor) -> ArchiveLayer:
+    """The entries of one layer a selection did not keep: k, v (B, Hkv, n, D), positions (B, n)
+    (-1 = padding), kept (B, Hkv, M) the selected column indices (-1 = none)."""
+    B, H, n, _ = k.shape
+    valid = (positions >= 0)[:, None].expand(B, H, n)  # (B, Hkv, n)
+    keep = torch.zeros(B, H, n + 1, dtype=torch.bool, device=k.device)
+    keep.scatter_(2, torch.where(kept >= 0, kept, torch.full_like(kept, n)), True)  # n: a discard slot
+    evicted = valid & ~keep[..., :n]  # (B, Hkv, n)
+    A = int(evicted.sum(-1).max()) if evicted.numel() else 0
+    order = evicted.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :A]  # (B, Hkv, A) evicted first
+    present = evicted.gather(2, order)  # (B, Hkv, A)
+    pos = torch.where(present, positions[:, None].expand(B, H, n).gather(2, order), torch.full_like(order, -1))
+    sides = [encode(x.gather(2, order[..., None].expand(B, H, A, x.shape[-1])), kind) for x in (k, v)]
+    planes = [p.permute(2, 0, 1, 3).contiguous() for side in sides for p in side]  # (A, B, Hkv, last)
+    return ArchiveLayer(kind, planes, pos.permute(2, 0, 1).to(torch.int32).contiguous())
+
+
+def open_archive(path) -> KVArchive:
+    """An archive file written by `KVArchive.save`, memory-mapped. Raises `ArchiveError` for a
+    file that is not one, truncated or corrupt (its CRCs are checked when a layer is first read)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ArchiveError(f"archive file {path} does not exist; compress the context again")
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            names = list(f.keys())
+        if meta.get("format") != FORMAT:
+            raise ArchiveError(f"{path} is not a structkv archive ({meta.get('format')!r}, expected {FORMAT!r})")
+        kind, layers, crc = meta["kind"], json.loads(meta["layers"]), json.loads(meta["crc32"])
+        tensors = _mapped(path, names)
+    except (SafetensorError, KeyError, ValueError, OSError, json.JSONDecodeError) as e:
+        if isinstance(e, ArchiveError):
+            raise
+        raise ArchiveError(f"archive file {path} is corrupt or truncated ({e}); delete it and compress the context "
+                           "again") from None
+    check_kind(kind)
+    out = {}
+    for i in layers:
+        keys = [f"{i}.{j}" for j in range(2 * PLANES[kind])] + [f"{i}.pos"]
+        missing = [name for name in keys if name not in tensors or name not in crc]
+        if missing:
+            raise ArchiveError(f"archive file {path} lacks {missing}: corrupt; compress the context again")
+        out[i] = ArchiveLayer(kind, [tensors[name] for name in keys[:-1]], tensors[keys[-1]],
+                              check=_crc_check(path, {name: (tensors[name], crc[name]) for name in keys}))
+    return KVArchive(kind, out, path)
+
+
+def _mapped(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (its header already validated by `safe_open`) as a view
+    on one private memory map (no copy: pages are read when a tile touches them)."""
+    with path.open("rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=path.stat().st_size)
+    data = torch.tensor([], dtype=torch.uint8).set_(storage)
+    out = {}
+    for name in names:
+        start, end = header[name]["data_offsets"]
+        raw = data[8 + header_len + start: 8 + header_len + end]
+        out[name] = raw.view(DTYPES[header[name]["dtype"]]).view(header[name]["shape"])
+    return out
+
+
+def _crc_check(path: Path, named: dict):
+    def check():
+        for name, (tensor, expected) in named.items():
+            if zlib.crc32(_bytes(tensor)) != expected:
+                raise ArchiveError(f"archive file {path} is corrupt (tensor {name} fails its CRC-32); delete it and "
+                                   "compress the context again")
+    return check

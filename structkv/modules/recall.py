@@ -1,0 +1,154 @@
+"""Ask-time recall: a question chooses, at every archived layer, the context entries its answer reads.
+
+A compressed state keeps its hot set (what the method kept) and, with an archive
+(`structkv.models.archive`), every entry the method evicted, stored small. When a question is
+asked, its tokens attend over hot set + archive at every layer (the archive dequantized tile by
+tile, never whole), so the question is read as it would be with the whole context. Each archived
+layer then re-selects, SnapKV-style with the question as the observation window, the `recall`
+context entries the question attends to most (attention summed over the question's tokens and
+the KV group's heads, max-pooled over neighbouring positions), and the answer decodes from hot
+set + recalled entries + the question only. The state is not touched: every question works on
+its own copy, so the next question starts from the same hot set and archive.
+
+Why the whole context is scored, hot set included: with a float archive this is SnapKV on the
+whole prompt (the question last) at a budget of `recall` entries, exactly; the hot set stays on
+top, so the answer never reads less than the query-agnostic compression kept.
+
+Layers past a propagation (StructKV's pivot, FastKV's TSP layer) computed only the tokens that
+went on: their archive holds only those, so recall there can bring back what the layer's KV
+selection dropped, never a token the skeleton dropped (its earlier layers can still recall it).
+
+Shapes: B batch, Hq / Hkv query / KV heads, G = Hq // Hkv, S question tokens, C hot slots, A
+archived entries, P context positions, D head dim.
+"""
+from __future__ import annotations
+
+import torch
+
+from .budget import Budget
+from .selection import pool_scores, select_tokens
+
+DEFAULT_RECALL = 0.1  # entries recalled per archived layer: a ratio of the context, as R_KV
+TILE = 1024  # archived entries dequantized at a time
+KERNEL, POOLING = 7, "max"  # SnapKV's pooling of the question's attention
+
+
+class RecallLayer:
+    """One archived layer as the question's cache: attends over hot set + archive + the question,
+    recalls the best `keep[b]` context entries of each row into `answer` (a grown copy of the hot
+    layer), then appends the question. `stats` collects what it did (entries recalled, bytes read)."""
+
+    window = None  # archived layers are full-attention layers
+
+    def __init__(self, answer, archive, keep: list[int], stats: dict, tile: int = TILE):
+        self.answer, self.archive, self.keep, self.stats, self.tile = answer, archive, keep, stats, tile
+        self.chosen = None  # (B, Hkv, K) the context positions chosen for the answer, once asked
+
+    def attention(self, attn, q, k, v, positions):
+        """The `LayerKVCache.attention` call of several (or one) question tokens: (B, S, E)."""
+        B, Hq, S, D = q.shape
+        out, hot_p, arch_p = self._attend(q, k, v, positions, attn.scale)  # (B, Hq, S, D), probabilities
+        self._recall(hot_p, arch_p, positions)
+        self.answer.write(k, v, positions)
+        return attn.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+    def _attend(self, q, k, v, positions, scale):
+        """Softmax attention of the question over hot + archive + its own causal keys, and the
+        probabilities (B, Hkv, G, S, C) on the hot slots and (B, Hkv, G, S, A) on the archive."""
+        B, Hq, S, D = q.shape
+        Hkv, A = k.shape[1], self.archive.size
+        qg = q.float().reshape(B, Hkv, Hq // Hkv, S, D)  # (B, Hkv, G, S, D)
+        hk, hv = self.answer.read(torch.float32)
+        new_pos = positions[:, None].expand(-1, Hkv, -1)  # (B, Hkv, S)
+        keys, vals = torch.cat([hk, k.float()], 2), torch.cat([hv, v.float()], 2)  # (B, Hkv, C + S, D)
+        kpos = torch.cat([self.answer.pos, new_pos], 2)
+        seen = (kpos[:, :, None] >= 0) & (kpos[:, :, None] <= positions[:, None, :, None])  # (B, Hkv, S, C + S)
+        near = (qg @ keys[:, :, None].transpose(-1, -2) * scale).masked_fill(~seen[:, :, None], float("-inf"))
+        absent = (self.archive.positions() < 0)[:, :, None, None]  # (B, Hkv, 1, 1, A)
+        far = torch.empty(B, Hkv, Hq // Hkv, S, A, device=q.device)
+        for s in range(0, A, self.tile):  # pass 1: keys, tile by tile
+            ka = self._tile(s, "k")  # (B, Hkv, t, D)
+            far[..., s:s + ka.shape[2]] = qg @ ka[:, :, None].transpose(-1, -2) * scale
+        far.masked_fill_(absent, float("-inf"))
+        top = near.amax(-1) if A == 0 else torch.maximum(near.amax(-1), far.amax(-1))  # (B, Hkv, G, S)
+        near, far = (near - top[..., None]).exp(), (far - top[..., None]).exp()
+        total = near.sum(-1) + far.sum(-1)
+        near, far = near / total[..., None], far / total[..., None]
+        out = near @ vals[:, :, None]  # (B, Hkv, G, S, D)
+        for s in range(0, A, self.tile):  # pass 2: values, tile by tile
+            va = self._tile(s, "v")
+            out = out + far[..., s:s + va.shape[2]] @ va[:, :, None]
+        C = self.answer.pos.shape[2]
+        return out.reshape(B, Hq, S, D).to(q.dtype), near[..., :C], far
+
+    def _tile(self, s: int, side: str) -> torch.Tensor:
+        e = min(s + self.tile, self.archive.size)
+        self.stats["archive_bytes_read"] += self.archive.tile_bytes(s, e, side)
+        return self.archive.tile(s, e, side)
+
+    def _recall(self, hot_p, arch_p, positions) -> None:
+        """Score every context entry by the question's attention, keep the best `keep` per row and
+        KV head, and append those the hot set lacks to the answer's layer."""
+        hpos, apos = self.answer.pos, self.archive.positions()  # (B, Hkv, C), (B, Hkv, A)
+        B, Hkv = hpos.shape[:2]
+        start = positions[:, :1, None]  # (B, 1, 1): the question starts where each row's context ends
+        P = int(start.max())
+        scores = torch.zeros(B, Hkv, P + 1, device=hpos.device)
+        present = torch.zeros(B, P + 1, dtype=torch.bool, device=hpos.device)
+        for p, pos in ((hot_p, hpos), (arch_p, apos)):  # sum over G, mean over S: SnapKV's saliency
+            where = torch.where((pos >= 0) & (pos < start), pos, torch.full_like(pos, P))  # P: discarded
+            scores.scatter_add_(2, where, p.sum(2).mean(2))
+            present.scatter_(1, where[:, 0], True)  # every head holds the same columns, hot and archived
+        present = present[:, :P]
+        chosen = select_tokens(pool_scores(scores[..., :P], KERNEL, POOLING), present, self.keep, 0,
+                               present.sum(1).tolist())  # (B, Hkv, K) positions, -1 = none
+        self.chosen = chosen
+        entry = torch.full((B, Hkv, P + 1), -1, dtype=torch.long, device=hpos.device)  # position -> archive entry
+        numbers = torch.arange(apos.shape[2], device=hpos.device).expand_as(apos)
+        entry.scatter_(2, torch.where(apos >= 0, apos, torch.full_like(apos, P)), numbers)
+        index = entry.gather(2, torch.where(chosen >= 0, chosen, torch.full_like(chosen, P)))  # (B, Hkv, K)
+        self.stats["chosen"] += int((chosen >= 0).sum())
+        found = index >= 0
+        K = int(found.sum(-1).max()) if index.numel() else 0
+        self.stats["recalled"] += int(found.sum())
+        self.stats["recalled_bytes"] += int(found.sum()) * self.answer.entry_bytes()
+        if K == 0:
+            return
+        order = found.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :K]
+        index = index.gather(2, order)  # (B, Hkv, K) archive entries first, -1 = nothing
+        ka, va = self.archive.take(index.clamp_min(0))
+        pos = torch.where(index >= 0, apos.gather(2, index.clamp_min(0)), torch.full_like(index, -1))
+        self.answer.append_entries(ka, va, pos)
+
+
+def recall_counts(recall, lengths: list[int]) -> list[int]:
+    """Entries each row recalls per archived layer for a `Budget` (a ratio of its context or a count)."""
+    return Budget.parse(recall, "recall").tokens(lengths)
+
+
+class _Layers:
+    """A cache object of per-layer caches (what `Decoder.run` reads: `layers[i]`)."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+
+def recall_extend(model, state, tokens: torch.Tensor, positions: torch.Tensor, recall, tile: int = TILE):
+    """Extend a copy of `state`'s cache by the question `tokens` (B, S) at `positions` with recall
+    from its archive (the state's room must hold the question and the new tokens, as without
+    recall). Returns (the answer's cache, the question's last logits (B, V), stats)."""
+    from ..models.kv_cache import KVCache
+
+    keep = recall_counts(recall, state.lengths)
+    stats = {"recalled": 0, "recalled_bytes": 0, "chosen": 0, "archive_bytes_read": 0}
+    answers, seen = [], []
+    for i, layer in enumerate(state.cache.layers):
+        archived = state.archive.layers.get(i)
+        answer = layer.grown(max(keep) if archived is not None else 0)
+        answers.append(answer)
+        seen.append(RecallLayer(answer, archived, keep, stats, tile) if archived is not None else answer)
+    logits = model.extend(tokens, positions, _Layers(seen))
+    stats["chosen_positions"] = {i: layer.chosen for i, layer in enumerate(seen) if isinstance(layer, RecallLayer)}
+    cache = KVCache()
+    cache.layers = torch.nn.ModuleList(answers)
+    return cache, logits, stats

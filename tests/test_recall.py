@@ -1,0 +1,198 @@
+"""Ask-time recall: the archive of evicted entries and a question's re-selection from it.
+
+The reference is query-aware SnapKV on the whole prompt (context, then the question as its
+observation window): with the archive in float, what a question recalls is exactly what SnapKV
+keeps, and the question reads as it would with the full cache."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import structkv
+from structkv import methods
+from structkv.compress import compress
+from structkv.generation import _extend_state
+from structkv.models.archive import ArchiveError, open_archive
+from structkv.text.prompts import encode_batch
+
+
+def _ids(n, seed=0):
+    return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3_text"])
+def model(request, tiny_dir):
+    return structkv.load(tiny_dir(request.param))
+
+
+def _state(model, ids, method, archive="float", room=32, recall=30):
+    tokens, positions, _ = encode_batch(model, [ids])
+    state = compress(model, tokens, positions, method, room=room, archive=archive)
+    state.recall = recall
+    return state
+
+
+def _heads(pos, below):
+    """Per KV head of row 0, the set of positions < below in pos (B, Hkv, C)."""
+    return [set(h[(h >= 0) & (h < below)].tolist()) for h in pos[0]]
+
+
+@pytest.mark.parametrize("name", ["keydiff", "structkv_agnostic_union", "streaming_llm"])
+def test_recall_with_a_float_archive_equals_query_aware_snapkv(model, name):
+    """Every layer up to the pivot (every layer without propagation) recalls exactly SnapKV's
+    entries per KV head, and the answer's cache holds them plus the hot set."""
+    from structkv.modules.recall import recall_extend
+
+    ids, question, recall = _ids(120), torch.tensor([[7, 8, 9, 10, 11]]), 30
+    state = _state(model, ids, methods.get(name, kv_budget=40), recall=recall)
+    cache, _, done = recall_extend(model, state, question, state.next_positions + torch.arange(5), recall)
+    tokens, positions, _ = encode_batch(model, [ids + question[0].tolist()])
+    snap = compress(model, tokens, positions, methods.get("snapkv", kv_budget=recall + 5, window=5), room=0)
+    pivot = state.stats.pivot_layer if state.stats.pivot_layer is not None else model.config.num_layers
+    assert set(state.archive.layers) == set(model.config.full_attention_layers)
+    compared = [i for i in state.archive.layers if i <= pivot]
+    assert compared
+    for i in compared:
+        chosen = _heads(done["chosen_positions"][i], len(ids))
+        assert chosen == _heads(snap.cache.layers[i].pos, len(ids))  # the exact entries SnapKV keeps
+        kept = _heads(state.cache.layers[i].pos, len(ids))
+        assert _heads(cache.layers[i].pos, len(ids)) == [c | k for c, k in zip(chosen, kept)]  # hot + recalled
+    assert done["recalled"] == sum(len(c - k) for i in state.archive.layers for c, k in zip(
+        _heads(done["chosen_positions"][i], len(ids)), _heads(state.cache.layers[i].pos, len(ids))))
+
+
+def test_the_question_reads_as_with_the_full_cache(model):
+    """With a float archive and no propagation the question attends over every context entry at
+    every layer: its next-token logits are the full prompt's."""
+    ids, question = _ids(100, 2), [5, 6, 7]
+    state = _state(model, ids, methods.get("keydiff", kv_budget=10))
+    _, logits, _, _ = _extend_state(model, state, question, 4)
+    full = model(torch.tensor([ids + question]), last=True)
+    torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+    plain = _state(model, ids, methods.get("keydiff", kv_budget=10), archive=None, recall=None)
+    _, without, _, _ = _extend_state(model, plain, question, 4)
+    assert (without - full).abs().max() > 10 * (logits - full).abs().max()  # recall is what made them equal
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(20, 90), budget=st.integers(8, 19), seed=st.integers(0, 50),
+       kind=st.sampled_from(["float", "bf16", "int8", "int4"]))
+def test_hot_set_and_archive_partition_the_context(tiny_dir, n, budget, seed, kind):
+    """Per layer and KV head: the hot set and the archive are disjoint and together every context
+    token the layer computed; the archive's bytes are its planes' and positions'."""
+    model = structkv.load(tiny_dir("llama"))
+    state = _state(model, _ids(n, seed), methods.get("snapkv", kv_budget=budget, window=4), archive=kind)
+    for i, layer in state.archive.layers.items():
+        hot, arch = _heads(state.cache.layers[i].pos, n), _heads(layer.positions(), n)
+        for h, a in zip(hot, arch):
+            assert not h & a and h | a == set(range(n))
+        assert layer.nbytes() == sum(p.numel() * p.element_size() for p in layer.planes) + layer.pos.numel() * 4
+    assert state.archive.nbytes() == sum(layer.nbytes() for layer in state.archive.layers.values())
+    assert state.archive.entries() == sum((n - min(budget, n)) * 2 for _ in state.archive.layers)  # 2 KV heads
+
+
+def test_archive_kinds_shrink_and_stay_close(model):
+    ids = _ids(100, 4)
+    sizes, tiles = {}, {}
+    for kind in ("float", "bf16", "int8", "int4"):
+        state = _state(model, ids, methods.get("keydiff", kv_budget=10), archive=kind)
+        layer = next(iter(state.archive.layers.values()))
+        sizes[kind], tiles[kind] = state.archive.nbytes(), layer.tile(0, layer.size, "k")
+    assert sizes["float"] > sizes["bf16"] > sizes["int8"] > sizes["int4"]
+    for kind, bound in (("bf16", 0.02), ("int8", 0.02), ("int4", 0.15)):  # relative to the keys' spread
+        err = (tiles[kind] - tiles["float"]).abs().max() / tiles["float"].abs().max()
+        assert err < bound, (kind, err)
+
+
+def test_a_state_asked_twice_is_unchanged(model):
+    ids = _ids(110, 5)
+    state = _state(model, ids, methods.get("structkv_agnostic", kv_budget=15), archive="int4")
+    before = [{n: b.clone() for n, b in layer.named_buffers()} for layer in state.cache.layers]
+    archived = {i: [p.clone() for p in layer.planes] for i, layer in state.archive.layers.items()}
+    first = structkv.generate(model, [3, 4, 5, 6], state=state, max_new_tokens=6, compile=False)
+    second = structkv.generate(model, [3, 4, 5, 6], state=state, max_new_tokens=6, compile=False)
+    assert first.token_ids == second.token_ids
+    for layer, saved in zip(state.cache.layers, before):
+        for n, b in layer.named_buffers():
+            assert torch.equal(b, saved[n])
+    for i, layer in state.archive.layers.items():
+        assert all(torch.equal(a, b) for a, b in zip(layer.planes, archived[i]))
+    assert first.stats["recalled_entries"] > 0 and first.stats["archive_bytes"] == state.archive.nbytes()
+    off = structkv.generate(model, [3, 4, 5, 6], state=state, max_new_tokens=6, compile=False, recall=0)
+    assert "recalled_entries" not in off.stats
+
+
+def test_generate_states_recalls_per_state_like_generate_alone(model):
+    ids = _ids(100, 6)
+    states = [_state(model, ids, methods.get(n, kv_budget=12), archive="int8") for n in ("keydiff", "snapkv")]
+    together = structkv.generate_states(model, states, question=[9, 8, 7], max_new_tokens=5, compile=False,
+                                        recall=[20, 0])
+    for state, r, got in zip(states, (20, 0), together):
+        alone = structkv.generate(model, [9, 8, 7], state=state, max_new_tokens=5, compile=False, recall=r)
+        assert got.token_ids == alone.token_ids
+    assert together[0].stats["recall"] == 20 and "recall" not in together[1].stats
+
+
+def test_file_archive_reads_like_memory_and_refuses_damage(model, tmp_path):
+    ids, question = _ids(100, 7), [4, 5, 6]
+    state = structkv.prefill(model, ids, methods.get("keydiff", kv_budget=12), archive="int4", recall=20,
+                             archive_dir=tmp_path)
+    path = state.archive.path
+    assert path.parent == tmp_path and path.suffix == ".safetensors"
+    memory = structkv.prefill(model, ids, methods.get("keydiff", kv_budget=12), archive="int4", recall=20)
+    a = structkv.generate(model, question, state=state, max_new_tokens=5, compile=False)
+    b = structkv.generate(model, question, state=memory, max_new_tokens=5, compile=False)
+    assert a.token_ids == b.token_ids and a.stats["archive_file"] == str(path)
+    reopened = open_archive(path)  # e.g. after a restart
+    assert reopened.nbytes() == memory.archive.nbytes()
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF  # one flipped byte in the last tensor
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(bytes(data))
+    state.archive = open_archive(damaged)
+    with pytest.raises(ArchiveError, match="corrupt"):
+        structkv.generate(model, question, state=state, max_new_tokens=5, compile=False)
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(ArchiveError, match="corrupt or truncated"):
+        open_archive(truncated)
+    (tmp_path / "other.safetensors").write_bytes(b"not a safetensors file at all")
+    with pytest.raises(ArchiveError):
+        open_archive(tmp_path / "other.safetensors")
+    with pytest.raises(ArchiveError, match="does not exist"):
+        open_archive(tmp_path / "missing.safetensors")
+
+
+def test_bad_recall_requests_are_refused(model):
+    ids = _ids(60, 8)
+    with pytest.raises(ValueError, match="re-encodes only the tokens it keeps"):
+        structkv.prefill(model, ids, methods.get("gemfilter", kv_budget=10), archive="int4")
+    with pytest.raises(ValueError, match="archive must be"):
+        structkv.prefill(model, ids, methods.get("keydiff", kv_budget=10), archive="int3")
+    with pytest.raises(ValueError, match="need an archive"):
+        structkv.prefill(model, ids, methods.get("keydiff", kv_budget=10), recall=0.1)
+    plain = structkv.prefill(model, ids, methods.get("keydiff", kv_budget=10))
+    with pytest.raises(ValueError, match="needs a state with an archive"):
+        structkv.generate(model, [4, 5], state=plain, recall=0.1, max_new_tokens=2, compile=False)
+    with pytest.raises(ValueError, match="reads a compressed state's archive"):
+        structkv.generate(model, [4, 5], recall=0.1, max_new_tokens=2, compile=False)
+    archived = structkv.prefill(model, ids, methods.get("keydiff", kv_budget=10), archive="int8")
+    with pytest.raises(ValueError, match="recall ratio must be in"):
+        structkv.generate(model, [4, 5], state=archived, recall=1.5, max_new_tokens=2, compile=False)
+
+
+def test_recall_past_the_pivot_holds_only_the_skeleton(tiny_dir):
+    """StructKV's layers past the pivot computed only the skeleton: their archive holds skeleton
+    tokens only, so recall there never brings back a token the skeleton dropped."""
+    model = structkv.load(tiny_dir("llama"))
+    ids = _ids(120, 9)
+    method = methods.get("structkv_agnostic", kv_budget=10, struct_budget=40, pivot=1)
+    state = _state(model, ids, method)
+    skeleton = set(state.kept_columns[0][state.kept_columns[0] >= 0].tolist())
+    for i, layer in state.archive.layers.items():
+        archived = set().union(*_heads(layer.positions(), len(ids)))
+        hot = set().union(*_heads(state.cache.layers[i].pos, len(ids)))
+        if i > 1:
+            assert archived | hot <= skeleton and len(archived | hot) == len(skeleton)
+        else:
+            assert archived | hot == set(range(len(ids)))
