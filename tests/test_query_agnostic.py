@@ -317,3 +317,58 @@ def test_novelty_needs_a_fixed_pivot():
             methods.get("structkv", signal=signal, pivot="dynamic")
     with pytest.raises(ValueError, match="signal must be 'window', 'novelty', 'mixed' or 'union'"):
         methods.get("structkv", signal="query")
+
+
+def test_local_reconstruction_scores_softmax_over_the_chunks_own_span(model):
+    """kvpress's scoring (`local`): each chunk's softmax runs over the first 4 tokens, the chunk's own
+    span of the context and the repeat itself; entries outside the span get nothing from it."""
+    from structkv.modules.reconstruction import LOCAL_SINKS
+
+    ids, prompt, chunk = _ids(40, 3), [5, 9, 11], 16
+    tokens, positions, _ = encode_batch(model, [ids])
+    _, kv = model.prompt_pass(tokens, positions)
+    full = compress(model, tokens, positions, methods.get("full"), room=0)
+    held = {i: (kv[i][0], kv[i][1], positions) for i in model.config.full_attention_layers}
+    from structkv.modules.retention import _row
+    rings = {i: _row(layer, 0, len(prompt) + chunk) for i, layer in enumerate(full.cache.layers) if i not in held}
+    scores, _, _ = reconstruction_scores(model, held, rings, tokens[0], prompt, chunk, local=True)
+    n, cfg = len(ids), model.config
+    for i in held:
+        ref = torch.zeros(1, cfg.num_kv_heads, n)
+        for s in range(0, n, chunk):
+            seq = torch.tensor([ids + prompt + ids[s:s + chunk]])
+            qk = {}
+            model(seq, on_layer=lambda j, h, p, q, k, v: qk.__setitem__(j, (q, k)))
+            q, k = qk[i]
+            G = q.shape[1] // k.shape[1]
+            logits = torch.einsum("bhsd,bhtd->bhst", q.float(), k.repeat_interleave(G, 1).float()) * cfg.scale
+            T = seq.shape[1]
+            keep = torch.zeros(T, dtype=torch.bool)
+            keep[:LOCAL_SINKS], keep[s:min(s + chunk, n)], keep[n:] = True, True, True
+            mask = torch.ones(T, T, dtype=torch.bool).tril() & keep
+            probs = logits.masked_fill(~mask, float("-inf")).softmax(-1)[:, :, n:, :n]
+            ref = torch.maximum(ref, probs.reshape(1, k.shape[1], G, -1, n).amax(dim=(2, 3)))
+        torch.testing.assert_close(scores[i], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_kvzip_kvpress_keeps_its_sinks_and_asks_as_the_assistant(tiny_dir):
+    from structkv.modules.retention import _reconstruction_prompt
+    from structkv.text import chat
+
+    model = structkv.load(tiny_dir("llama"))
+    method = methods.get("kvzip_kvpress", kv_budget=12, chunk=32)
+    state = compress(model, *encode_batch(model, [_ids(90, 2)])[:2], method, room=4)
+    for i in model.config.full_attention_layers:
+        for head in state.cache.layers[i].pos[0]:
+            assert {0, 1, 2, 3} <= set(head[head >= 0].tolist())
+    class Templated:
+        chat_template = "{% for m in messages %}<u>{{ m['content'] }}</u>{% endfor %}<a>"
+        bos_id, eos_ids = None, []
+
+        def encode(self, text, add_bos=False):
+            return [ord(c) for c in text]
+
+    prompt, head = _reconstruction_prompt(Templated(), method)
+    h, t = chat.frame(Templated())
+    assert head == h and prompt(0, []) == Templated().encode(method.prompt) + t
+    assert prompt(1, list(range(20)))[-len(t) - 8:-len(t)] == list(range(12, 20))  # "starting with" the last 8

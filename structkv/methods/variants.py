@@ -304,13 +304,23 @@ class KVzip(Method):
     reconstruction query gives it (max over its KV group's heads). Costs about one more prefill.
 
     chunk: context tokens per reconstruction pass (memory is bounded by one chunk); prompt: the
-    reconstruction instruction (empty for a model without a tokenizer)."""
+    reconstruction instruction (empty for a model without a tokenizer).
+    What kvpress's KVzipPress does differently, each an option (`kvzip_kvpress` takes them all):
+    chat_turn: on a model with a chat template, the prompt closes the user turn and opens the
+    assistant's before the repeated chunk (and the template's head is not repeated); local: each
+    chunk's softmax over its own span of the context (and the first tokens), not the whole
+    context; continued: later chunks are asked to repeat "starting with" the previous chunk's
+    last tokens; sinks: the first tokens always kept."""
 
     kv_budget: float | int = 0.1
     window: int = 8
     chunk: int = 512
     prompt: str = DEFAULT_PROMPT
     per_head: bool = True
+    chat_turn: bool = False
+    local: bool = False
+    continued: bool = False
+    sinks: int = 0
     name = "kvzip"
     compresses_kv = True
 
@@ -324,6 +334,11 @@ class KVzip(Method):
                              f"got {self.chunk!r}")
         if not isinstance(self.prompt, str):
             raise ValueError(f"kvzip: prompt must be text, got {self.prompt!r}")
+        for name in ("chat_turn", "local", "continued"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"kvzip: {name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ValueError(f"kvzip: sinks must be an int >= 0 (first tokens always kept), got {self.sinks!r}")
 
 
 @dataclass

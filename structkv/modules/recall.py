@@ -40,8 +40,9 @@ class RecallLayer:
 
     window = None  # archived layers are full-attention layers
 
-    def __init__(self, answer, archive, keep: list[int], stats: dict, tile: int = TILE):
+    def __init__(self, answer, archive, keep: list[int], stats: dict, tile: int = TILE, kernel: int = KERNEL):
         self.answer, self.archive, self.keep, self.stats, self.tile = answer, archive, keep, stats, tile
+        self.kernel = kernel
         self.chosen = None  # (B, Hkv, K) the context positions chosen for the answer, once asked
 
     def attention(self, attn, q, k, v, positions):
@@ -100,7 +101,7 @@ class RecallLayer:
             scores.scatter_add_(2, where, p.sum(2).mean(2))
             present.scatter_(1, where[:, 0], True)  # every head holds the same columns, hot and archived
         present = present[:, :P]
-        chosen = select_tokens(pool_scores(scores[..., :P], KERNEL, POOLING), present, self.keep, 0,
+        chosen = select_tokens(pool_scores(scores[..., :P], self.kernel, POOLING), present, self.keep, 0,
                                present.sum(1).tolist())  # (B, Hkv, K) positions, -1 = none
         self.chosen = chosen
         entry = torch.full((B, Hkv, P + 1), -1, dtype=torch.long, device=hpos.device)  # position -> archive entry
@@ -133,7 +134,8 @@ class _Layers:
         self.layers = layers
 
 
-def recall_extend(model, state, tokens: torch.Tensor, positions: torch.Tensor, recall, tile: int = TILE):
+def recall_extend(model, state, tokens: torch.Tensor, positions: torch.Tensor, recall, tile: int = TILE,
+                  kernel: int = KERNEL):
     """Extend a copy of `state`'s cache by the question `tokens` (B, S) at `positions` with recall
     from its archive (the state's room must hold the question and the new tokens, as without
     recall). Returns (the answer's cache, the question's last logits (B, V), stats)."""
@@ -146,7 +148,7 @@ def recall_extend(model, state, tokens: torch.Tensor, positions: torch.Tensor, r
         archived = state.archive.layers.get(i)
         answer = layer.grown(max(keep) if archived is not None else 0)
         answers.append(answer)
-        seen.append(RecallLayer(answer, archived, keep, stats, tile) if archived is not None else answer)
+        seen.append(RecallLayer(answer, archived, keep, stats, tile, kernel) if archived is not None else answer)
     logits = model.extend(tokens, positions, _Layers(seen))
     stats["chosen_positions"] = {i: layer.chosen for i, layer in enumerate(seen) if isinstance(layer, RecallLayer)}
     cache = KVCache()

@@ -126,7 +126,8 @@ class ReconstructionRetention(Retention):
             return
         if model is None:
             raise ValueError("kvzip scores its entries by running the model again: the prefill loop passes it")
-        key = ("reconstruction", self.method.prompt, self.method.chunk)
+        m = self.method
+        key = ("reconstruction", m.prompt, m.chunk, m.chat_turn, m.local, m.continued, m.sinks)
         memo = {} if memo is None else memo
         if key not in memo:  # the same context and K/V for every method of the lane: run it once
             memo[key] = self._score(model, tokens)
@@ -141,7 +142,7 @@ class ReconstructionRetention(Retention):
         """Scores (B, Hkv, n) per held layer, one row at a time (each row's own context, unpadded)."""
         from .reconstruction import reconstruction_scores
 
-        prompt_ids = model.tokenizer.encode(self.method.prompt, add_bos=False) if model.tokenizer else []
+        prompt_ids, head = _reconstruction_prompt(model.tokenizer, self.method)
         first = self.held[0]
         out = {h.layer: torch.zeros(h.k.shape[:3], device=h.k.device) for h in self.held}  # (B, Hkv, n)
         run = seconds = 0
@@ -149,11 +150,14 @@ class ReconstructionRetention(Retention):
             cols = first.valid[b].nonzero()[:, 0]  # this row's tokens (no propagation: the same at every layer)
             held = {h.layer: (h.k[b:b + 1, :, cols], h.v[b:b + 1, :, cols], h.positions[b:b + 1, cols])
                     for h in self.held}
-            room = len(prompt_ids) + self.method.chunk
+            row = tokens[b, first.columns[b, cols]]
+            room = max(len(prompt_ids(i, [0] * 64)) for i in (0, 1)) + self.method.chunk
             rings = {i: _row(layer, b, room) for i, layer in enumerate(self.cache.layers) if i not in held}
-            scores, r, s = reconstruction_scores(model, held, rings, tokens[b, first.columns[b, cols]], prompt_ids,
-                                                 self.method.chunk)
+            start_at = len(head) if head and row[:len(head)].tolist() == head else 0  # the head: not repeated
+            scores, r, s = reconstruction_scores(model, held, rings, row, prompt_ids, self.method.chunk,
+                                                 local=self.method.local, start_at=start_at)
             for i, sc in scores.items():
+                sc[..., :self.method.sinks] = 2.0  # above any probability: the first tokens always stay
                 out[i][b:b + 1, :, cols] = sc
             run, seconds = run + r, seconds + s
         return out, run, seconds
@@ -171,3 +175,29 @@ def _row(layer, b: int, room: int):
         getattr(out, name)[:, :, :used] = getattr(layer, name)[b:b + 1, :, :used]
     out.cursor.copy_(layer.cursor)
     return out
+
+
+def _reconstruction_prompt(tokenizer, method):
+    """(chunk number, previous chunk's ids) -> the ids before a chunk, and the chat template's head
+    ids (what a context inside a user turn starts with; [] when the prompt is not a chat turn).
+
+    `chat_turn`: the prompt closes the user turn and opens the assistant's (the template's tail)
+    before the repeated chunk, so the repetition is the assistant's answer, as kvpress does for
+    models with a template; `continued`: chunks after the first are asked to repeat "starting
+    with" the previous chunk's last tokens (kvpress's prompt)."""
+    from ..text import chat
+    from .reconstruction import CONTINUE_TOKENS, KVPRESS_CONTINUE
+
+    if tokenizer is None:
+        return (lambda i, prev: []), []
+    base = tokenizer.encode(method.prompt, add_bos=False)
+    head, tail = [], []
+    if method.chat_turn and getattr(tokenizer, "chat_template", None):
+        head, tail = chat.frame(tokenizer)
+    again = tokenizer.encode(KVPRESS_CONTINUE, add_bos=False) if method.continued else base
+
+    def prompt(i: int, previous: list[int]) -> list[int]:
+        if i == 0 or not method.continued:
+            return base + tail
+        return again + previous[-CONTINUE_TOKENS:] + tail
+    return prompt, head
