@@ -181,6 +181,12 @@ def open_archive(path) -> KVArchive:
             raise
         raise ArchiveError(f"archive file {path} is corrupt or truncated ({e}); delete it and compress the context "
                            "again") from None
+    return from_tensors(path, tensors, kind, layers, crc)
+
+
+def from_tensors(path: Path, tensors: dict, kind: str, layers: list[int], crc: dict) -> KVArchive:
+    """The archive held by a file's mapped `tensors` (named as `save` names them), each layer's
+    CRCs checked when it is first read (also how a state file holds its archive)."""
     check_kind(kind)
     out = {}
     for i in layers:

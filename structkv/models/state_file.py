@@ -21,7 +21,7 @@ import torch
 
 from ..files import write_atomic
 from ..stats import PrefillStats
-from .archive import FORMAT, PLANES, ArchiveError, ArchiveLayer, KVArchive, _bytes, _mapped
+from .archive import ArchiveError, KVArchive, _bytes, _mapped, from_tensors
 from .kv_cache import KVCache, LayerKVCache
 
 STATE_FORMAT = "structkv-state/1"
@@ -80,16 +80,7 @@ def _open(path: Path):
 
 
 def _archive(path: Path, tensors: dict, meta: dict) -> KVArchive:
-    from .archive import _crc_check
-
-    crc = json.loads(meta["crc32"])
-    kind = meta["kind"]
-    layers = {}
-    for i in json.loads(meta["layers"]):
-        keys = [f"{i}.{j}" for j in range(2 * PLANES[kind])] + [f"{i}.pos"]
-        layers[i] = ArchiveLayer(kind, [tensors[k] for k in keys[:-1]], tensors[keys[-1]],
-                                 check=_crc_check(path, {k: (tensors[k], crc[k]) for k in keys}))
-    return KVArchive(kind, layers, path)
+    return from_tensors(path, tensors, meta["kind"], json.loads(meta["layers"]), json.loads(meta["crc32"]))
 
 
 def load_state(path, model, method):
@@ -123,7 +114,7 @@ def load_state(path, model, method):
                                 weakref.ref(model), recall=json.loads(meta["recall"]))
         state.cache.layers = torch.nn.ModuleList(layers)
         if "kind" in meta:
-            state.archive = _archive(path, tensors, {**meta, "format": FORMAT})
+            state.archive = _archive(path, tensors, meta)
         return state
     except (KeyError, TypeError, RuntimeError, json.JSONDecodeError) as e:
         raise ArchiveError(f"state file {path} does not hold a state for this model ({type(e).__name__}: {e}); "
