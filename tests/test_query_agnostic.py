@@ -372,3 +372,22 @@ def test_kvzip_kvpress_keeps_its_sinks_and_asks_as_the_assistant(tiny_dir):
     h, t = chat.frame(Templated())
     assert head == h and prompt(0, []) == Templated().encode(method.prompt) + t
     assert prompt(1, list(range(20)))[-len(t) - 8:-len(t)] == list(range(12, 20))  # "starting with" the last 8
+
+
+def test_kvzip_global_budget_keeps_the_same_total_by_one_threshold(model):
+    """budget="global": the layers' and heads' shares differ, the total kept is the per-layer plan's,
+    window and sinks kept."""
+    ids = _ids(100, 4)
+    tokens, positions, _ = encode_batch(model, [ids])
+    layered = compress(model, tokens, positions, methods.get("kvzip", kv_budget=15, chunk=32, sinks=2), room=8)
+    pooled = compress(model, tokens, positions, methods.get("kvzip", kv_budget=15, chunk=32, sinks=2,
+                                                             budget="global"), room=8)
+    layers = model.config.full_attention_layers
+    assert sum(pooled.cache.entries()[i] for i in layers) == sum(layered.cache.entries()[i] for i in layers)
+    counts = {(i, h): int((pooled.cache.layers[i].pos[0, h] >= 0).sum()) for i in layers for h in range(2)}
+    assert len(set(counts.values())) > 1  # shares follow the scores
+    for i in layers:
+        for head in pooled.cache.layers[i].pos[0]:
+            kept = set(head[head >= 0].tolist())
+            assert {0, 1} | set(range(92, 100)) <= kept  # sinks and the window
+    assert pooled.cache.free() >= 8  # every layer keeps its room

@@ -62,9 +62,9 @@ register("keydiff", KeyDiff)
 register("expected_attention", ExpectedAttention)
 # KVzip as kvpress's KVzipPress runs it (issue 46's peer check): the repeat as the assistant's turn,
 # a softmax over each chunk's own span, 2048-token chunks, the "starting with" prompt, 4 sinks kept,
-# no forced window (its budget is still per layer and head; kvpress's is one over every layer)
+# no forced window, one budget over every layer and head
 register("kvzip_kvpress", KVzip, chat_turn=True, local=True, continued=True, sinks=4, window=0, chunk=2048,
-         prompt=KVPRESS_PROMPT)
+         prompt=KVPRESS_PROMPT, budget="global")
 # The paper's algorithm as written, with the faithful reading where it is silent (the detector's
 # statistics over ranked columns, normalised changes, L* = argmax T + 1; lambda by layer distance).
 register("structkv_paper", StructKV, pivot="dynamic", confirm=1, decay=0.9, skeleton="centrality",

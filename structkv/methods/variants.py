@@ -310,7 +310,9 @@ class KVzip(Method):
     assistant's before the repeated chunk (and the template's head is not repeated); local: each
     chunk's softmax over its own span of the context (and the first tokens), not the whole
     context; continued: later chunks are asked to repeat "starting with" the previous chunk's
-    last tokens; sinks: the first tokens always kept."""
+    last tokens; sinks: the first tokens always kept; budget: "layer" (each layer and KV head keeps
+    kv_budget) or "global" (one threshold over every layer and head, the same total: kvpress's
+    default allocation)."""
 
     kv_budget: float | int = 0.1
     window: int = 8
@@ -321,6 +323,7 @@ class KVzip(Method):
     local: bool = False
     continued: bool = False
     sinks: int = 0
+    budget: str = "layer"
     name = "kvzip"
     compresses_kv = True
 
@@ -337,6 +340,9 @@ class KVzip(Method):
         for name in ("chat_turn", "local", "continued"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"kvzip: {name} must be True or False, got {getattr(self, name)!r}")
+        if self.budget not in ("layer", "global"):
+            raise ValueError(f"kvzip: budget must be 'layer' (per layer and head) or 'global' (one threshold over "
+                             f"every layer and head), got {self.budget!r}")
         if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
             raise ValueError(f"kvzip: sinks must be an int >= 0 (first tokens always kept), got {self.sinks!r}")
 

@@ -132,11 +132,47 @@ class ReconstructionRetention(Retention):
         if key not in memo:  # the same context and K/V for every method of the lane: run it once
             memo[key] = self._score(model, tokens)
         scores, run, seconds = memo[key]
-        for held in self.held:
-            held.scores = self.method.heads(scores[held.layer])
-            self._store(held)
+        if m.budget == "global":
+            self._store_global(scores)
+        else:
+            for held in self.held:
+                held.scores = self.method.heads(scores[held.layer])
+                self._store(held)
         self.held = []
         self.reconstruction = {"tokens": run, "seconds": seconds}
+
+    def _store_global(self, scores: dict) -> None:
+        """kvpress's allocation: one threshold per row over every held layer and KV head, so the
+        layers' and heads' shares follow their scores; the total kept is the per-layer plan's. A
+        layer whose heads now keep more than its plan gets a larger cache layer (same room)."""
+        from ..models.kv_cache import LayerKVCache, round_capacity
+
+        first = self.held[0]
+        B, H = first.k.shape[:2]
+        ranked = {}
+        for held in self.held:  # the window always stays, as in every selection
+            sc = scores[held.layer].clone()
+            n = sc.shape[-1]
+            sc[..., n - self.method.window:] = 3.0
+            ranked[held.layer] = sc.masked_fill(~held.valid[:, None], float("-inf"))  # (B, Hkv, n)
+        for b in range(B):
+            total = sum(self.plan[h.layer][b] for h in self.held) * H
+            pool = torch.cat([ranked[h.layer][b].flatten() for h in self.held])
+            cut = pool.topk(min(total, pool.numel())).values[-1]
+            for h in self.held:
+                ranked[h.layer][b] = torch.where(ranked[h.layer][b] >= cut, ranked[h.layer][b], float("-inf"))
+        for held in self.held:
+            keep = ranked[held.layer] > float("-inf")  # (B, Hkv, n)
+            M = int(keep.sum(-1).max())
+            order = keep.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :M]
+            idx = torch.where(keep.gather(2, order), order, torch.full_like(order, -1)).sort(-1).values  # -1 first
+            old = self.cache.layers[held.layer]
+            room = old.capacity - max(self.plan[held.layer])
+            if M + room > old.capacity:
+                self.cache.layers[held.layer] = LayerKVCache(B, H, round_capacity(M + room), old.head_dim, old.k.dtype,
+                                                             old.pos.device, kv_dtype=old.kv_dtype)
+            with held.timer.phase("cache_fill"):
+                self.cache.fill(held.layer, held.k, held.v, held.positions, idx, check=False)
 
     def _score(self, model, tokens: torch.Tensor):
         """Scores (B, Hkv, n) per held layer, one row at a time (each row's own context, unpadded)."""
