@@ -507,7 +507,7 @@ def recall_stats(state, recall, done: dict, seconds: float) -> dict:
     """What a question's recall did, for its stats: the budget, entries recalled from the archive,
     the archive's size and the bytes read from it, and the seconds the question's extension took."""
     return {"recall": recall, "recalled_entries": done["recalled"], "recall_chosen": done["chosen"],
-            "kv_bytes_recalled": done["recalled_bytes"],
+            "kv_bytes_recalled": done["recalled_bytes"], "recall_kernel": done["kernel"],
             "archive_kind": state.archive.kind, "archive_bytes": state.archive.nbytes(),
             "archive_entries": state.archive.entries(), "archive_bytes_read": done["archive_bytes_read"],
             "archive_file": str(state.archive.path) if state.archive.path is not None else None,

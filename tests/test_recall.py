@@ -13,6 +13,7 @@ from structkv import methods
 from structkv.compress import compress
 from structkv.generation import _extend_state
 from structkv.models.archive import ArchiveError, open_archive
+from structkv.modules.recall import KERNEL
 from structkv.text.prompts import encode_batch
 
 
@@ -40,14 +41,16 @@ def _heads(pos, below):
 @pytest.mark.parametrize("name", ["keydiff", "structkv_agnostic_union", "streaming_llm"])
 def test_recall_with_a_float_archive_equals_query_aware_snapkv(model, name):
     """Every layer up to the pivot (every layer without propagation) recalls exactly SnapKV's
-    entries per KV head, and the answer's cache holds them plus the hot set."""
+    entries per KV head (SnapKV pooled as recall pools), and the answer's cache holds them plus the
+    hot set."""
     from structkv.modules.recall import recall_extend
 
     ids, question, recall = _ids(120), torch.tensor([[7, 8, 9, 10, 11]]), 30
     state = _state(model, ids, methods.get(name, kv_budget=40), recall=recall)
     cache, _, done = recall_extend(model, state, question, state.next_positions + torch.arange(5), recall)
     tokens, positions, _ = encode_batch(model, [ids + question[0].tolist()])
-    snap = compress(model, tokens, positions, methods.get("snapkv", kv_budget=recall + 5, window=5), room=0)
+    snap = compress(model, tokens, positions, methods.get("snapkv", kv_budget=recall + 5, window=5, kernel=KERNEL),
+                    room=0)
     pivot = state.stats.pivot_layer if state.stats.pivot_layer is not None else model.config.num_layers
     assert set(state.archive.layers) == set(model.config.full_attention_layers)
     compared = [i for i in state.archive.layers if i <= pivot]

@@ -30,7 +30,11 @@ from .selection import pool_scores, select_tokens
 
 DEFAULT_RECALL = 0.1  # entries recalled per archived layer: a ratio of the context, as R_KV
 TILE = 1024  # archived entries dequantized at a time
-KERNEL, POOLING = 7, "max"  # SnapKV's pooling of the question's attention
+# The question's attention max-pooled over 31 neighbouring positions, so a pick brings its sentence
+# along (a fact's value sits a few tokens after the words a question matches): chosen on a
+# development split over 7 (SnapKV's), 15, 31 and 63 (docs/results/recall_kernel_dev/gemma_4k.md:
+# best or level for every hot set tried; 7 lost the later digits of the answers)
+KERNEL, POOLING = 31, "max"
 
 
 class RecallLayer:
@@ -142,7 +146,7 @@ def recall_extend(model, state, tokens: torch.Tensor, positions: torch.Tensor, r
     from ..models.kv_cache import KVCache
 
     keep = recall_counts(recall, state.lengths)
-    stats = {"recalled": 0, "recalled_bytes": 0, "chosen": 0, "archive_bytes_read": 0}
+    stats = {"recalled": 0, "recalled_bytes": 0, "chosen": 0, "archive_bytes_read": 0, "kernel": kernel}
     answers, seen = [], []
     for i, layer in enumerate(state.cache.layers):
         archived = state.archive.layers.get(i)

@@ -613,7 +613,7 @@ def _question_room(samples: list[dict]) -> dict[tuple, int]:
 
 # What a recall run adds to its records: the budget, what it recalled and the archive it read.
 RECALL_FIELDS = ("recall", "recalled_entries", "kv_bytes_recalled", "archive_bytes", "archive_entries",
-                 "archive_bytes_read", "question_s")
+                 "archive_bytes_read", "question_s", "recall_kernel")
 
 
 def _compress_all(model, input_ids: list[int], methods: list, room: int, compile, archive=None,
