@@ -35,6 +35,7 @@ def main() -> None:
     p.add_argument("--recall", default="0.1")
     p.add_argument("--archive", default="int4")
     p.add_argument("--kernels", default="7,15,31,63")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="cap on each answer (a 7-digit number needs ~10)")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
     if args.threads:
@@ -59,7 +60,8 @@ def main() -> None:
                 pos = state.next_positions + torch.arange(len(ids))
                 for k in kernels:
                     cache, logits, _ = recall_extend(model, state, q, pos, recall, kernel=k)
-                    out, _ = _decode_loop(model, logits, pos[:, -1:] + 1, cache, s["max_new_tokens"], 0.0, None, None,
+                    cap = min(args.max_new_tokens, s["max_new_tokens"])
+                    out, _ = _decode_loop(model, logits, pos[:, -1:] + 1, cache, cap, 0.0, None, None,
                                           True, None, _decode)
                     hits[(name, k)] += score(s, model.tokenizer.decode(out[0]))
         done = 4 * (c + 1)
