@@ -133,7 +133,7 @@ class ReconstructionRetention(Retention):
             memo[key] = self._score(model, tokens)
         scores, run, seconds = memo[key]
         if m.budget == "global":
-            self._store_global(scores)
+            self._store_global(scores, getattr(model, "tp", None))
         else:
             for held in self.held:
                 held.scores = self.method.heads(scores[held.layer])
@@ -141,10 +141,11 @@ class ReconstructionRetention(Retention):
         self.held = []
         self.reconstruction = {"tokens": run, "seconds": seconds}
 
-    def _store_global(self, scores: dict) -> None:
+    def _store_global(self, scores: dict, tp=None) -> None:
         """kvpress's allocation: one threshold per row over every held layer and KV head, so the
         layers' and heads' shares follow their scores; the total kept is the per-layer plan's. A
-        layer whose heads now keep more than its plan gets a larger cache layer (same room)."""
+        layer whose heads now keep more than its plan gets a larger cache layer (same room). Under
+        tensor parallelism the threshold is taken over every rank's heads (the same on all ranks)."""
         from ..models.kv_cache import LayerKVCache, round_capacity
 
         first = self.held[0]
@@ -155,15 +156,17 @@ class ReconstructionRetention(Retention):
             n = sc.shape[-1]
             sc[..., n - self.method.window:] = 3.0
             ranked[held.layer] = sc.masked_fill(~held.valid[:, None], float("-inf"))  # (B, Hkv, n)
+        every = {i: tp.gather_heads(x) if tp is not None else x for i, x in ranked.items()}  # (B, all Hkv, n)
         for b in range(B):
-            total = sum(self.plan[h.layer][b] for h in self.held) * H
-            pool = torch.cat([ranked[h.layer][b].flatten() for h in self.held])
+            total = sum(self.plan[h.layer][b] for h in self.held) * every[first.layer].shape[1]
+            pool = torch.cat([every[h.layer][b].flatten() for h in self.held])
             cut = pool.topk(min(total, pool.numel())).values[-1]
             for h in self.held:
                 ranked[h.layer][b] = torch.where(ranked[h.layer][b] >= cut, ranked[h.layer][b], float("-inf"))
+                every[h.layer][b] = torch.where(every[h.layer][b] >= cut, every[h.layer][b], float("-inf"))
         for held in self.held:
             keep = ranked[held.layer] > float("-inf")  # (B, Hkv, n)
-            M = int(keep.sum(-1).max())
+            M = int((every[held.layer] > float("-inf")).sum(-1).max())  # over every rank's heads: one layout
             order = keep.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :M]
             idx = torch.where(keep.gather(2, order), order, torch.full_like(order, -1)).sort(-1).values  # -1 first
             old = self.cache.layers[held.layer]
