@@ -122,21 +122,34 @@ class KVArchive:
         """Archived (entry, KV head) pairs over every layer and row."""
         return sum(int((layer.pos >= 0).sum()) for layer in self.layers.values())
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every plane and the positions by file name (`<layer>.<plane>`, `<layer>.pos`)."""
+        out = {}
+        for i, layer in self.layers.items():
+            for j, plane in enumerate(layer.planes):
+                out[f"{i}.{j}"] = plane
+            out[f"{i}.pos"] = layer.pos
+        return out
+
+    def meta(self) -> dict[str, str]:
+        """What a file's metadata says of the archive (its kind and layers)."""
+        return {"kind": self.kind, "layers": json.dumps(sorted(self.layers))}
+
     def save(self, path) -> "KVArchive":
         """Write to `path` (a safetensors file, written whole or not at all) and return the archive
         read back from it (memory-mapped: this one's tensors can then be freed)."""
-        from safetensors.torch import save
-
-        tensors = {}
-        for i, layer in self.layers.items():
-            for j, plane in enumerate(layer.planes):
-                tensors[f"{i}.{j}"] = plane.contiguous()
-            tensors[f"{i}.pos"] = layer.pos.contiguous()
-        crc = {name: zlib.crc32(_bytes(t)) for name, t in tensors.items()}
-        meta = {"format": FORMAT, "kind": self.kind, "layers": json.dumps(sorted(self.layers)),
-                "crc32": json.dumps(crc)}
-        write_atomic(io.BytesIO(save(tensors, metadata=meta)), Path(path))
+        write_file(path, self.tensors(), {"format": FORMAT, **self.meta()})
         return open_archive(path)
+
+
+def write_file(path, tensors: dict, meta: dict) -> None:
+    """A safetensors file of `tensors` with `meta` and every tensor's CRC-32, written whole or not
+    at all."""
+    from safetensors.torch import save
+
+    tensors = {name: t.contiguous() for name, t in tensors.items()}
+    meta = {**meta, "crc32": json.dumps({name: zlib.crc32(_bytes(t)) for name, t in tensors.items()})}
+    write_atomic(io.BytesIO(save(tensors, metadata=meta)), Path(path))
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -163,30 +176,40 @@ def build(kind: str, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, 
 def open_archive(path) -> KVArchive:
     """An archive file written by `KVArchive.save`, memory-mapped. Raises `ArchiveError` for a
     file that is not one, truncated or corrupt (its CRCs are checked when a layer is first read)."""
+    path = Path(path)
+    meta, tensors = read_file(path, FORMAT, "archive file")
+    return from_tensors(path, tensors, meta)
+
+
+def read_file(path: Path, fmt: str, what: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(metadata, every tensor memory-mapped) of a file `write_file` wrote in format `fmt`;
+    `ArchiveError` naming `what` for a missing, foreign, truncated or unreadable one."""
     from safetensors import SafetensorError, safe_open
 
-    path = Path(path)
     if not path.is_file():
-        raise ArchiveError(f"archive file {path} does not exist; compress the context again")
+        raise ArchiveError(f"{what} {path} does not exist; compress the context again")
     try:
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-            names = list(f.keys())
-        if meta.get("format") != FORMAT:
-            raise ArchiveError(f"{path} is not a structkv archive ({meta.get('format')!r}, expected {FORMAT!r})")
-        kind, layers, crc = meta["kind"], json.loads(meta["layers"]), json.loads(meta["crc32"])
-        tensors = _mapped(path, names)
+        with safe_open(str(path), "pt") as f:  # validates the header against the file's size
+            meta, names = f.metadata() or {}, list(f.keys())
+        if meta.get("format") != fmt:
+            raise ArchiveError(f"{path} is not a structkv {what} ({meta.get('format')!r}, expected {fmt!r})")
+        json.loads(meta["crc32"])
+        return meta, _mapped(path, names)
     except (SafetensorError, KeyError, ValueError, OSError, json.JSONDecodeError) as e:
         if isinstance(e, ArchiveError):
             raise
-        raise ArchiveError(f"archive file {path} is corrupt or truncated ({e}); delete it and compress the context "
+        raise ArchiveError(f"{what} {path} is corrupt or truncated ({e}); delete it and compress the context "
                            "again") from None
-    return from_tensors(path, tensors, kind, layers, crc)
 
 
-def from_tensors(path: Path, tensors: dict, kind: str, layers: list[int], crc: dict) -> KVArchive:
-    """The archive held by a file's mapped `tensors` (named as `save` names them), each layer's
-    CRCs checked when it is first read (also how a state file holds its archive)."""
+def from_tensors(path: Path, tensors: dict, meta: dict) -> KVArchive:
+    """The archive held by a file's mapped `tensors` (named as `KVArchive.tensors` names them) and
+    its metadata, each layer's CRCs checked when it is first read (also how a state file holds
+    its archive)."""
+    try:
+        kind, layers, crc = meta["kind"], json.loads(meta["layers"]), json.loads(meta["crc32"])
+    except (KeyError, json.JSONDecodeError) as e:
+        raise ArchiveError(f"archive file {path} has unreadable metadata ({e}); compress the context again") from None
     check_kind(kind)
     out = {}
     for i in layers:
@@ -195,7 +218,7 @@ def from_tensors(path: Path, tensors: dict, kind: str, layers: list[int], crc: d
         if missing:
             raise ArchiveError(f"archive file {path} lacks {missing}: corrupt; compress the context again")
         out[i] = ArchiveLayer(kind, [tensors[name] for name in keys[:-1]], tensors[keys[-1]],
-                              check=_crc_check(path, {name: (tensors[name], crc[name]) for name in keys}))
+                              check=crc_check(path, {name: (tensors[name], crc[name]) for name in keys}))
     return KVArchive(kind, out, path)
 
 
@@ -215,7 +238,8 @@ def _mapped(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _crc_check(path: Path, named: dict):
+def crc_check(path: Path, named: dict):
+    """A check that each (tensor, expected CRC-32) of `named` (name -> pair) still matches."""
     def check():
         for name, (tensor, expected) in named.items():
             if zlib.crc32(_bytes(tensor)) != expected:

@@ -12,16 +12,13 @@ A corrupt or truncated file raises `ArchiveError`.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
-import zlib
 from pathlib import Path
 
 import torch
 
-from ..files import write_atomic
 from ..stats import PrefillStats
-from .archive import ArchiveError, KVArchive, _bytes, _mapped, from_tensors
+from .archive import ArchiveError, crc_check, from_tensors, read_file, write_file
 from .kv_cache import KVCache, LayerKVCache
 
 STATE_FORMAT = "structkv-state/1"
@@ -30,8 +27,6 @@ STATE_FORMAT = "structkv-state/1"
 def save_state(state, path) -> None:
     """Write `state` (a `CompressedState`, its archive included when it has one) to `path`, whole
     or not at all. The state's archive then reads from the file."""
-    from safetensors.torch import save
-
     tensors = {"logits": state.logits, "next_positions": state.next_positions}
     if state.kept_columns is not None:
         tensors["kept_columns"] = state.kept_columns
@@ -42,45 +37,13 @@ def save_state(state, path) -> None:
         layout.append({"window": layer.window, "capacity": layer.capacity, "head_dim": layer.head_dim,
                        "kv_dtype": layer.kv_dtype})
     archive = state.archive
-    if archive is not None:
-        for i, layer in archive.layers.items():
-            for j, plane in enumerate(layer.planes):
-                tensors[f"{i}.{j}"] = plane
-            tensors[f"{i}.pos"] = layer.pos
-    tensors = {name: t.contiguous() for name, t in tensors.items()}
     meta = {"format": STATE_FORMAT, "layout": json.dumps(layout), "lengths": json.dumps(state.lengths),
             "stats": json.dumps(dataclasses.asdict(state.stats) if state.stats is not None else None),
-            "recall": json.dumps(state.recall),
-            "crc32": json.dumps({n: zlib.crc32(_bytes(t)) for n, t in tensors.items()})}
+            "recall": json.dumps(state.recall), **(archive.meta() if archive is not None else {})}
+    write_file(path, {**tensors, **(archive.tensors() if archive is not None else {})}, meta)
     if archive is not None:
-        meta.update({"kind": archive.kind, "layers": json.dumps(sorted(archive.layers))})
-    write_atomic(io.BytesIO(save(tensors, metadata=meta)), Path(path))
-    if archive is not None:
-        meta, mapped = _open(Path(path))
-        state.archive = _archive(Path(path), mapped, meta)
-
-
-def _open(path: Path):
-    """(metadata, tensors mapped) of a state file, or ArchiveError."""
-    from safetensors import SafetensorError, safe_open
-
-    if not path.is_file():
-        raise ArchiveError(f"state file {path} does not exist")
-    try:
-        with safe_open(str(path), "pt") as f:
-            meta, names = f.metadata() or {}, list(f.keys())
-        if meta.get("format") != STATE_FORMAT:
-            raise ArchiveError(f"{path} is not a structkv state file ({meta.get('format')!r})")
-        return meta, _mapped(path, names)
-    except (SafetensorError, ValueError, OSError, json.JSONDecodeError) as e:
-        if isinstance(e, ArchiveError):
-            raise
-        raise ArchiveError(f"state file {path} is corrupt or truncated ({e}); delete it: the context is compressed "
-                           "again") from None
-
-
-def _archive(path: Path, tensors: dict, meta: dict) -> KVArchive:
-    return from_tensors(path, tensors, meta["kind"], json.loads(meta["layers"]), json.loads(meta["crc32"]))
+        meta, mapped = read_file(Path(path), STATE_FORMAT, "state file")
+        state.archive = from_tensors(Path(path), mapped, meta)
 
 
 def load_state(path, model, method):
@@ -92,13 +55,10 @@ def load_state(path, model, method):
     from ..compress import CompressedState
 
     path = Path(path)
-    meta, tensors = _open(path)
+    meta, tensors = read_file(path, STATE_FORMAT, "state file")
     try:
         crc = json.loads(meta["crc32"])
-        for name, t in tensors.items():
-            if not name[0].isdigit() and zlib.crc32(_bytes(t)) != crc[name]:  # the archive: at first read
-                raise ArchiveError(f"state file {path} is corrupt (tensor {name} fails its CRC-32); delete it: the "
-                                   "context is compressed again")
+        crc_check(path, {n: (t, crc[n]) for n, t in tensors.items() if not n[0].isdigit()})()  # archive: at its read
         layers = []
         for i, spec in enumerate(json.loads(meta["layout"])):
             first = tensors[f"hot.{i}.pos"]
@@ -114,7 +74,7 @@ def load_state(path, model, method):
                                 weakref.ref(model), recall=json.loads(meta["recall"]))
         state.cache.layers = torch.nn.ModuleList(layers)
         if "kind" in meta:
-            state.archive = _archive(path, tensors, meta)
+            state.archive = from_tensors(path, tensors, meta)
         return state
     except (KeyError, TypeError, RuntimeError, json.JSONDecodeError) as e:
         raise ArchiveError(f"state file {path} does not hold a state for this model ({type(e).__name__}: {e}); "

@@ -52,12 +52,13 @@ class RecallLayer:
     def attention(self, attn, q, k, v, positions):
         """The `LayerKVCache.attention` call of several (or one) question tokens: (B, S, E)."""
         B, Hq, S, D = q.shape
-        out, hot_p, arch_p = self._attend(q, k, v, positions, attn.scale)  # (B, Hq, S, D), probabilities
-        self._recall(hot_p, arch_p, positions)
+        apos = self.archive.positions()  # (B, Hkv, A)
+        out, hot_p, arch_p = self._attend(q, k, v, positions, apos, attn.scale)  # (B, Hq, S, D), probabilities
+        self._recall(hot_p, arch_p, positions, apos)
         self.answer.write(k, v, positions)
         return attn.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
-    def _attend(self, q, k, v, positions, scale):
+    def _attend(self, q, k, v, positions, apos, scale):
         """Softmax attention of the question over hot + archive + its own causal keys, and the
         probabilities (B, Hkv, G, S, C) on the hot slots and (B, Hkv, G, S, A) on the archive."""
         B, Hq, S, D = q.shape
@@ -69,7 +70,7 @@ class RecallLayer:
         kpos = torch.cat([self.answer.pos, new_pos], 2)
         seen = (kpos[:, :, None] >= 0) & (kpos[:, :, None] <= positions[:, None, :, None])  # (B, Hkv, S, C + S)
         near = (qg @ keys[:, :, None].transpose(-1, -2) * scale).masked_fill(~seen[:, :, None], float("-inf"))
-        absent = (self.archive.positions() < 0)[:, :, None, None]  # (B, Hkv, 1, 1, A)
+        absent = (apos < 0)[:, :, None, None]  # (B, Hkv, 1, 1, A)
         far = torch.empty(B, Hkv, Hq // Hkv, S, A, device=q.device)
         for s in range(0, A, self.tile):  # pass 1: keys, tile by tile
             ka = self._tile(s, "k")  # (B, Hkv, t, D)
@@ -91,10 +92,10 @@ class RecallLayer:
         self.stats["archive_bytes_read"] += self.archive.tile_bytes(s, e, side)
         return self.archive.tile(s, e, side)
 
-    def _recall(self, hot_p, arch_p, positions) -> None:
+    def _recall(self, hot_p, arch_p, positions, apos) -> None:
         """Score every context entry by the question's attention, keep the best `keep` per row and
         KV head, and append those the hot set lacks to the answer's layer."""
-        hpos, apos = self.answer.pos, self.archive.positions()  # (B, Hkv, C), (B, Hkv, A)
+        hpos = self.answer.pos  # (B, Hkv, C); apos (B, Hkv, A)
         B, Hkv = hpos.shape[:2]
         start = positions[:, :1, None]  # (B, 1, 1): the question starts where each row's context ends
         P = int(start.max())

@@ -185,12 +185,12 @@ class ReconstructionRetention(Retention):
         first = self.held[0]
         out = {h.layer: torch.zeros(h.k.shape[:3], device=h.k.device) for h in self.held}  # (B, Hkv, n)
         run = seconds = 0
+        room = max(len(prompt_ids(i, [0] * self.method.chunk)) for i in (0, 1)) + self.method.chunk
         for b in range(first.valid.shape[0]):
             cols = first.valid[b].nonzero()[:, 0]  # this row's tokens (no propagation: the same at every layer)
             held = {h.layer: (h.k[b:b + 1, :, cols], h.v[b:b + 1, :, cols], h.positions[b:b + 1, cols])
                     for h in self.held}
             row = tokens[b, first.columns[b, cols]]
-            room = max(len(prompt_ids(i, [0] * 64)) for i in (0, 1)) + self.method.chunk
             rings = {i: _row(layer, b, room) for i, layer in enumerate(self.cache.layers) if i not in held}
             start_at = len(head) if head and row[:len(head)].tolist() == head else 0  # the head: not repeated
             scores, r, s = reconstruction_scores(model, held, rings, row, prompt_ids, self.method.chunk,
