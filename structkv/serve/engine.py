@@ -305,14 +305,15 @@ class Engine:
                 run.status = "disk" if state is not None else "miss"
             if state is None:
                 state = self._compress(key, job, need)
-            if run.status == "miss" or run.status == "disk":
+            if run.status in ("miss", "disk"):
                 self.cache.put(key, state)
             try:
                 started = start(self.model, job.rest, state=state, **backend)
             except ArchiveError as e:  # its file was damaged since it was opened: never answer from it
                 log.warning("%s; compressing the context again", e)
                 self.cache.discard(key)
-                self._file(key).unlink(missing_ok=True)
+                if self.settings.archive_dir is not None:
+                    self._file(key).unlink(missing_ok=True)
                 state, run.status = self._compress(key, job, need), "miss"
                 self.cache.put(key, state)
                 started = start(self.model, job.rest, state=state, **backend)
