@@ -100,7 +100,7 @@ def _generate(args) -> int:
                     top_p=args.top_p, compile=compile_mode, seed=args.seed)
     system = [{"role": "system", "content": args.system}] if args.system else []
     if not args.question:
-        if args.archive or args.recall or args.archive_dir:
+        if args.archive not in (None, "none") or args.recall or args.archive_dir:
             raise ValueError("--archive, --recall and --archive-dir serve questions asked with -q/--question")
         if args.chat:
             _stream_one(model, args, None, messages=[*system, {"role": "user", "content": prompt}], method=method,
@@ -108,10 +108,14 @@ def _generate(args) -> int:
         else:
             _stream_one(model, args, prompt, method=method, **sampling)
         return 0
+    archive = methods.context_archive(method, args.archive)  # the default recalls from an int4 archive
+    if archive is None and (args.recall or args.archive_dir):
+        raise ValueError(f"--recall and --archive-dir need an archive, and {name} with --archive "
+                         f"{args.archive or '(default)'} keeps none: drop them, or name --archive int4")
     longest = max(len(model.tokenizer.encode(q, add_bos=False)) for q in args.question) + 32  # + turn markup
     context = [*system, {"role": "user", "content": prompt}] if args.chat else None
     state = structkv.prefill(model, None if args.chat else prompt, method, messages=context,
-                             room=longest + args.max_new_tokens, archive=args.archive, recall=args.recall,
+                             room=longest + args.max_new_tokens, archive=archive, recall=args.recall,
                              archive_dir=args.archive_dir)
     for q in args.question:  # compress once, ask many: each question on a copy of the compressed context
         if len(args.question) > 1:
@@ -399,14 +403,15 @@ def main(argv=None) -> int:
     g.add_argument("-q", "--question", action="append", default=[],
                    help="a question about the prompt: the prompt is compressed once and every --question is "
                         "answered from that compressed state (repeat the option to ask several)")
-    g.add_argument("--archive", choices=("int4", "int8", "bf16", "float"), default=None,
-                   help="with -q: keep the entries the method evicts, stored small, so each question recalls "
-                        "the ones it needs (ask-time recall; docs/methods.md)")
+    g.add_argument("--archive", choices=("int4", "int8", "bf16", "float", "none"), default=None,
+                   help="with -q: how the entries the method evicts are kept, so each question recalls the ones "
+                        "it needs (ask-time recall; docs/methods.md); default int4 for a method that evicts, "
+                        "'none' turns recall off")
     g.add_argument("--recall", default=None,
-                   help="with --archive: entries each archived layer recalls per question, a ratio of the prompt "
+                   help="entries each archived layer recalls per question, a ratio of the prompt "
                         "or a count (default 0.1)")
     g.add_argument("--archive-dir", default=None,
-                   help="with --archive: write the archive to a file in this folder (memory-mapped) instead of RAM")
+                   help="write the archive to a file in this folder (memory-mapped) instead of RAM")
     g.add_argument("--model", default="gemma-3-270m",
                    help="alias (gemma-3-270m, smollm2), HF folder, .gguf file or Hub id")
     g.add_argument("--chat", action="store_true",
@@ -528,13 +533,13 @@ def main(argv=None) -> int:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--cache-bytes", type=_bytes, default=1 << 30,
                    help="bound on the compressed contexts kept between requests, e.g. 512MiB (0: no cache)")
-    s.add_argument("--archive", choices=("int4", "int8", "bf16", "float"), default=None,
-                   help="cached contexts keep the entries their method evicts, stored small, and each question "
-                        "recalls the ones it needs (ask-time recall)")
-    s.add_argument("--recall", default=None, help="with --archive: entries recalled per archived layer per question, "
+    s.add_argument("--archive", choices=("int4", "int8", "bf16", "float", "none"), default=None,
+                   help="how cached contexts keep the entries their method evicts, so each question recalls the "
+                        "ones it needs (ask-time recall); default int4 for a method that evicts, 'none': off")
+    s.add_argument("--recall", default=None, help="entries recalled per archived layer per question, "
                                                   "a ratio of the context or a count (default 0.1)")
     s.add_argument("--archive-dir", default=None,
-                   help="with --archive: each cached context in a file here (hot set + archive; the archive is read "
+                   help="each cached context in a file here (hot set + archive; the archive is read "
                         "from disk and does not count towards --cache-bytes); found again after a restart")
     s.add_argument("--max-queue", type=_positive_int, default=16, help="requests waiting before 503 + Retry-After")
     s.add_argument("--max-batch", type=_positive_int, default=8,

@@ -107,18 +107,25 @@ def test_questions_recall_from_an_archive_file(byte_model, byte_model_dir, capsy
 
 
 def test_questions_without_a_method_get_the_context_default_at_its_own_budget(byte_model_dir, monkeypatch, capsys):
-    """-q without --method compresses with `CONTEXT_DEFAULT` (`structkv_agnostic_union`), and
-    without --kv-budget at that method's own default (20 % of the entries), which --kv-budget
-    still overrides."""
+    """-q without --method compresses with `CONTEXT_DEFAULT` (KeyDiff) at that method's own default
+    budget (10 % of the entries), which --kv-budget still overrides, and keeps an int4 archive the
+    questions recall from (`--archive none`: no archive; `full` never archives)."""
     seen = []
     real = structkv.prefill
-    monkeypatch.setattr(structkv, "prefill", lambda m, c, method, **k: seen.append(method) or real(m, c, method, **k))
+    monkeypatch.setattr(structkv, "prefill", lambda m, c, method, **k: seen.append((method, k["archive"]))
+                        or real(m, c, method, **k))
     context = "Notes: the meeting is on Tuesday in room 4. " * 10
     assert _gen(byte_model_dir, context, "-q", "\nQ: When?\nA:") == 0
-    assert _gen(byte_model_dir, context, "-q", "\nQ: When?\nA:", "--kv-budget", "0.1") == 0
+    assert _gen(byte_model_dir, context, "-q", "\nQ: When?\nA:", "--kv-budget", "0.2") == 0
+    assert _gen(byte_model_dir, context, "-q", "\nQ: When?\nA:", "--archive", "none") == 0
+    assert _gen(byte_model_dir, context, "-q", "\nQ: When?\nA:", "--method", "full") == 0
     capsys.readouterr()
-    assert [(m.name, m.signal, m.kv_budget) for m in seen] == [
-        (methods.CONTEXT_DEFAULT, "union", 0.2), (methods.CONTEXT_DEFAULT, "union", 0.1)]
+    default = methods.CONTEXT_DEFAULT
+    assert [(m.name, m.kv_budget, a) for m, a in seen[:3]] == [
+        (default, 0.1, "int4"), (default, 0.2, "int4"), (default, 0.1, None)]
+    assert (seen[3][0].name, seen[3][1]) == ("full", None)
+    assert _gen(byte_model_dir, context, "-q", "\nQ: When?\nA:", "--archive", "none", "--recall", "8") == 2
+    assert "need an archive" in capsys.readouterr().err
 
 
 def test_threads_and_int8_kv_entries(byte_model, byte_model_dir, capsys):

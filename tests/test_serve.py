@@ -51,11 +51,13 @@ def alone(model, messages, max_new=8, **kw):
 
 
 def from_context(model, context, question, max_new=8):
-    """The library's compress-once answer: the context cached, the question appended uncompressed."""
+    """The library's compress-once answer: the context cached with serve's default archive (int4:
+    each question recalls from it), the question appended uncompressed."""
     from structkv.serve.engine import _split_at_context
 
     prefix, rest = _split_at_context(model.tokenizer, [{"role": "user", "content": question}], context)
-    state = structkv.prefill(model, prefix, methods.get("snapkv", kv_budget=0.3), room=64)
+    method = methods.get("snapkv", kv_budget=0.3)
+    state = structkv.prefill(model, prefix, method, room=64, archive=methods.context_archive(method))
     return structkv.generate(model, rest, state=state, max_new_tokens=max_new, temperature=0, compile=False).text
 
 
@@ -126,12 +128,13 @@ def test_history_before_the_last_user_turn_is_cached(client):
 
 
 def test_cached_contexts_get_the_context_method(chat_model):
-    """A context compressed before its question gets --context-method (default: the best
-    query-agnostic method), a whole prompt --method; a request naming a method gets that one."""
+    """A context compressed before its question gets --context-method (default: `CONTEXT_DEFAULT`
+    with its int4 archive, so the question recalls), a whole prompt --method; a request naming a
+    method gets that one."""
     from structkv.methods import CONTEXT_DEFAULT
 
     assert Settings(model_name=NAME).context_method == CONTEXT_DEFAULT
-    with Background(build(chat_model, settings(context_method="keydiff"))) as running:
+    with Background(build(chat_model, settings(context_method=None))) as running:
         client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", timeout=60, max_retries=0)
         question = [{"role": "user", "content": QUESTIONS[0]}]
         cached = client.chat.completions.create(model=NAME, messages=question, temperature=0, max_tokens=8,
@@ -140,12 +143,12 @@ def test_cached_contexts_get_the_context_method(chat_model):
                                                temperature=0)
         named = client.chat.completions.create(model=NAME, messages=question, temperature=0, max_tokens=4,
                                                extra_body={"context": DOC + " (named)", "method": "snapkv"})
-    assert cached.model_extra["structkv"]["method"] == "keydiff"
+    assert cached.model_extra["structkv"]["method"] == CONTEXT_DEFAULT
     assert whole.model_extra["structkv"]["method"] == named.model_extra["structkv"]["method"] == "snapkv"
     from structkv.serve.engine import _split_at_context
 
     prefix, rest = _split_at_context(chat_model.tokenizer, question, DOC)
-    state = structkv.prefill(chat_model, prefix, methods.get("keydiff", kv_budget=0.3), room=64)
+    state = structkv.prefill(chat_model, prefix, methods.build(CONTEXT_DEFAULT, kv=0.3), room=64, archive="int4")
     expected = structkv.generate(chat_model, rest, state=state, max_new_tokens=8, temperature=0, compile=False).text
     assert cached.choices[0].message.content == expected
 

@@ -7,10 +7,20 @@ defaults (TSP / filter layer) are fractions of the model's depth so they carry a
 """
 from ..modules.budget import Budget
 from .base import Layout, Method
-from .registry import CONTEXT_DEFAULT, METHODS, build, get, has_struct_budget, names, register
+from .registry import (
+                       CONTEXT_ARCHIVE,
+                       CONTEXT_DEFAULT,
+                       METHODS,
+                       build,
+                       context_archive,
+                       get,
+                       has_struct_budget,
+                       names,
+                       register,
+)
 from .variants import H2O, FastKV, Full, GemFilter, KeyDiff, KVzip, PyramidKV, SnapKV, StreamingLLM, StructKV
 
-__all__ = ["Budget", "CONTEXT_DEFAULT", "Layout", "METHODS", "FastKV", "Full", "GemFilter", "H2O", "KVzip", "KeyDiff",
-           "Method", "PyramidKV", "SnapKV", "StreamingLLM", "StructKV", "build", "get", "has_struct_budget", "names",
-           "register"]
+__all__ = ["Budget", "CONTEXT_ARCHIVE", "CONTEXT_DEFAULT", "Layout", "METHODS", "FastKV", "Full", "GemFilter", "H2O",
+           "KVzip", "KeyDiff", "Method", "PyramidKV", "SnapKV", "StreamingLLM", "StructKV", "build", "context_archive",
+           "get", "has_struct_budget", "names", "register"]
 

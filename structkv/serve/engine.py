@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from ..compress import prefill
 from ..generation import _backends, start
-from ..methods import CONTEXT_DEFAULT, Budget, build, has_struct_budget, names
+from ..methods import CONTEXT_DEFAULT, Budget, build, context_archive, has_struct_budget, names
 from ..models.archive import ArchiveError, check_kind
 from ..models.state_file import load_state, save_state
 from ..text import chat
@@ -63,7 +63,9 @@ class Settings:
     max_prompt_tokens: int | None = None  # per request, prompt tokens (None: the model's positions)
     # Ask-time recall for cached contexts: their evicted entries archived as `archive`, `recall`
     # of them recalled per archived layer by every question; `archive_dir`: each cached context in a
-    # file there (hot set + archive), its archive read from disk, found again after a restart
+    # file there (hot set + archive), its archive read from disk, found again after a restart.
+    # `archive` None: the contexts' default (`methods.context_archive`: int4 for a method that
+    # evicts); "none": no archive, no recall
     archive: str | None = None
     recall: float | int | str | None = None
     archive_dir: str | None = None
@@ -73,9 +75,10 @@ class Settings:
             if getattr(self, name) is not None:
                 setattr(self, name, Budget.parse(getattr(self, name), name).value)
         self.context_method = self.context_method or CONTEXT_DEFAULT
-        check_kind(self.archive)
-        if self.archive is None and (self.recall is not None or self.archive_dir is not None):
-            raise ValueError("--recall and --archive-dir need --archive (int4, int8, bf16 or float)")
+        if self.archive != "none":
+            check_kind(self.archive)
+        elif self.recall is not None or self.archive_dir is not None:
+            raise ValueError("--recall and --archive-dir need an archive: drop them, or name --archive int4")
         if self.recall is not None:
             self.recall = Budget.parse(self.recall, "recall").value
         for name in (self.method, self.context_method):
@@ -296,8 +299,8 @@ class Engine:
         backend = dict(max_new_tokens=job.max_new, backend=prefill_backend, decode_backend=step_backend)
         if job.prefix is not None:
             need = len(job.rest) + job.max_new
-            key = context_key((self.settings.model_name, *job.method_key, ("archive", self.settings.archive)),
-                              job.prefix)
+            archive = context_archive(job.method, self.settings.archive)
+            key = context_key((self.settings.model_name, *job.method_key, ("archive", archive)), job.prefix)
             state = self.cache.get(key, room=need)
             run.status = "hit" if state is not None else "miss"
             if state is None:
@@ -328,9 +331,10 @@ class Engine:
     def _compress(self, key, job: Job, need: int):
         """The job's context compressed (archived, and written to its file, when the server recalls)."""
         s = self.settings
-        if s.archive is None or job.method.restarts:
+        archive = context_archive(job.method, s.archive)
+        if archive is None:
             return prefill(self.model, job.prefix, job.method, room=max(s.room, need))
-        state = prefill(self.model, job.prefix, job.method, room=max(s.room, need), archive=s.archive,
+        state = prefill(self.model, job.prefix, job.method, room=max(s.room, need), archive=archive,
                         recall=s.recall)
         if s.archive_dir is not None:
             save_state(state, self._file(key))
