@@ -3,6 +3,8 @@
 The reference is query-aware SnapKV on the whole prompt (context, then the question as its
 observation window): with the archive in float, what a question recalls is exactly what SnapKV
 keeps, and the question reads as it would with the full cache."""
+import json
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -164,6 +166,20 @@ def test_file_archive_reads_like_memory_and_refuses_damage(model, tmp_path):
         open_archive(tmp_path / "other.safetensors")
     with pytest.raises(ArchiveError, match="does not exist"):
         open_archive(tmp_path / "missing.safetensors")
+
+
+def test_file_tensors_with_a_size_one_dimension_of_any_stride(tmp_path):
+    """One KV head (Gemma 3 270M) leaves a size-1 dimension whose stride is not 1 in a contiguous
+    tensor: such tensors are written, checked and read back exactly."""
+    from structkv.models.archive import crc_check, read_file, write_file
+
+    base = torch.arange(2 * 3541, dtype=torch.int32)
+    odd = {"one": base[7:].as_strided((1, 1), (3541, 3541)), "planes": base[:6].as_strided((3, 1, 2), (2, 99, 1)),
+           "bf16": torch.randn(2, 1, 4).to(torch.bfloat16)}
+    write_file(tmp_path / "odd.safetensors", odd, {"format": "test"})
+    meta, tensors = read_file(tmp_path / "odd.safetensors", "test", "test file")
+    assert all(torch.equal(tensors[k], odd[k]) for k in odd)
+    crc_check(tmp_path / "odd.safetensors", {k: (tensors[k], json.loads(meta["crc32"])[k]) for k in odd})()
 
 
 def test_bad_recall_requests_are_refused(model):

@@ -153,7 +153,11 @@ def write_file(path, tensors: dict, meta: dict) -> None:
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().view(torch.uint8).flatten().numpy())
+    """The tensor's bytes without a copy. A contiguous tensor may still carry any stride on a
+    size-1 dimension (one KV head: Gemma 3 270M), which `view(uint8)` refuses: read it as the flat
+    run of elements it is."""
+    flat = t.contiguous().as_strided((t.numel(),), (1,))
+    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def build(kind: str, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kept: torch.Tensor) -> ArchiveLayer:
