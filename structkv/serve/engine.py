@@ -299,7 +299,7 @@ class Engine:
         backend = dict(max_new_tokens=job.max_new, backend=prefill_backend, decode_backend=step_backend)
         if job.prefix is not None:
             need = len(job.rest) + job.max_new
-            archive = context_archive(job.method, self.settings.archive)
+            archive = self._archive(job)
             key = context_key((self.settings.model_name, *job.method_key, ("archive", archive)), job.prefix)
             state = self.cache.get(key, room=need)
             run.status = "hit" if state is not None else "miss"
@@ -331,7 +331,7 @@ class Engine:
     def _compress(self, key, job: Job, need: int):
         """The job's context compressed (archived, and written to its file, when the server recalls)."""
         s = self.settings
-        archive = context_archive(job.method, s.archive)
+        archive = self._archive(job)
         if archive is None:
             return prefill(self.model, job.prefix, job.method, room=max(s.room, need))
         state = prefill(self.model, job.prefix, job.method, room=max(s.room, need), archive=archive,
@@ -339,6 +339,11 @@ class Engine:
         if s.archive_dir is not None:
             save_state(state, self._file(key))
         return state
+
+    def _archive(self, job: Job) -> str | None:
+        """The archive kind of the job's cached context: the server's (default int4), none for a
+        method with nothing to archive (`full`, or GemFilter when a request names it)."""
+        return None if job.method.restarts else context_archive(job.method, self.settings.archive)
 
     def _stored(self, key, job: Job, need: int):
         """The context's state from its file (a restart, or one dropped from RAM), or None; a file
