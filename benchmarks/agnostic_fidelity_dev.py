@@ -21,9 +21,9 @@ from pathlib import Path
 
 import structkv
 from structkv import methods
-from structkv.files import write_text_atomic
 from structkv.harness.eval.fidelity import answer_ids, measure
 from structkv.harness.eval.runner import EvalConfig, _open_output, _read_predictions, build_samples
+from structkv.util.files import write_text_atomic
 
 RULER = "niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,niah_multiquery,qa_1,vt,cwe,fwe"
 LONGBENCH = "narrativeqa,qasper,hotpotqa,2wikimqa,gov_report,lcc,repobench-p,triviaqa,trec,samsum"

@@ -56,9 +56,9 @@ def main(argv=None) -> int:
     import torch
 
     import structkv
-    from structkv.files import write_text_atomic
-    from structkv.generation import generate
     from structkv.harness.bench import prompt_ids
+    from structkv.runtime.generation import generate
+    from structkv.util.files import write_text_atomic
 
     torch.set_num_threads(args.threads)
     gguf = gguf_path(args.model)

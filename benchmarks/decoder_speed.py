@@ -20,8 +20,8 @@ import time
 import torch
 
 import structkv
-from structkv.generation import compiled_prefill
 from structkv.harness.eval.sources import needle_prompt
+from structkv.runtime.generation import compiled_prefill
 
 
 def hf_twin(model):

@@ -59,7 +59,7 @@ from conftest import make_hf_model
 for arch in ("llama", "qwen2", "qwen3", "gemma3_text"):
     make_hf_model(arch).save_pretrained(f"{sys.argv[1]}/{arch}")
 PY
-    python3 -m structkv.distributed.check "$OUT"/tp_check_models/* --compile 2>&1 | tee "$OUT/tp_check.log"
+    python3 -m structkv.harness.tp_check "$OUT"/tp_check_models/* --compile 2>&1 | tee "$OUT/tp_check.log"
 else
     echo "gloo check skipped: transformers is not installed (it builds the tiny models)" | tee "$OUT/tp_check.log"
 fi

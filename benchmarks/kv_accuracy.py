@@ -44,7 +44,7 @@ def main(argv=None) -> int:
 
     import structkv
     from structkv import methods
-    from structkv.compress import compress_shared
+    from structkv.runtime.compress import compress_shared
     from structkv.text.prompts import encode_batch
 
     torch.set_num_threads(args.threads)

@@ -43,8 +43,8 @@ def make_press(name: str, kv_budget: float):
 
 def gguf_of(name: str) -> Path:
     """The GGUF file structkv loads for `name` (the smollm2 alias or a .gguf path)."""
-    from structkv.fetch import fetch
     from structkv.models.loading import SMOLLM2_GGUF
+    from structkv.util.fetch import fetch
 
     if name in ("smollm2", "smollm2-135m-instruct"):
         return Path(fetch(SMOLLM2_GGUF)[0])

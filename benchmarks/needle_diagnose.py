@@ -14,11 +14,11 @@ import torch
 from needle_methods import build
 
 import structkv
-from structkv.compress import compress
 from structkv.harness.eval.sources import needle_prompt
 from structkv.models.decoder import run_block
 from structkv.modules import pool_scores
 from structkv.ops import window_scores
+from structkv.runtime.compress import compress
 from structkv.text.prompts import encode_batch
 
 

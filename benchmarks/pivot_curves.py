@@ -22,9 +22,9 @@ import sys
 import torch
 
 import structkv
-from structkv.compress import compress_shared
 from structkv.harness.eval.runner import EvalConfig, build_samples
 from structkv.modules import pooled_saliency
+from structkv.runtime.compress import compress_shared
 
 
 def answer_columns(tokenizer, ids: list[int], outputs: list[str]) -> list[int]:
@@ -77,7 +77,7 @@ def curves(model, ids: list[int], answer: list[int], window: int, sinks: int, to
                      "recall_C": recall(centrality)})
 
     compress_shared(model, tokens, torch.arange(n)[None], [structkv.Full()], room=0,
-                    timer=structkv.timing.NO_TIMER, observe=observe)
+                    timer=structkv.util.timing.NO_TIMER, observe=observe)
     return rows
 
 
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         vals = [sum(e["rows"][j][k] for e in every) / len(every) for k in keys]
         print(f"| {layer} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
     if args.json:
-        structkv.files.write_text_atomic(args.json, json.dumps(every))
+        structkv.util.files.write_text_atomic(args.json, json.dumps(every))
     return 0
 
 

@@ -21,9 +21,9 @@ import torch
 
 import structkv
 from structkv import methods
-from structkv.compress import compress
-from structkv.generation import _extend_state
 from structkv.harness.eval.runner import EvalConfig, build_samples
+from structkv.runtime.compress import compress
+from structkv.runtime.generation import _extend_state
 from structkv.text.prompts import encode_batch
 
 

@@ -16,10 +16,10 @@ import torch
 
 import structkv
 from structkv import methods
-from structkv.compress import compress_shared
-from structkv.generation import _decode, _decode_loop, _question_ids
 from structkv.harness.eval.runner import EvalConfig, build_samples, score
 from structkv.modules.recall import recall_extend
+from structkv.runtime.compress import compress_shared
+from structkv.runtime.generation import _decode, _decode_loop, _question_ids
 from structkv.text.prompts import encode_batch
 
 

@@ -34,9 +34,9 @@ def main() -> None:
     import torch
 
     import structkv
-    from structkv.generation import _decode, compiled_decode, start
     from structkv.models import linear
     from structkv.models.kv_cache import StackedKVCache
+    from structkv.runtime.generation import _decode, compiled_decode, start
 
     torch.set_num_threads(args.threads)
     model = structkv.load(args.model)

@@ -114,7 +114,7 @@ for name, compile in (("eager", False), ("decode compiled", "decode")):
     runs = []
     for _ in range(2):
         if compile == "decode":  # the decode step compiled, the prefill eager: what compile="auto" picks
-            import structkv.compiling as c
+            import structkv.util.compiling as c
             c.DECODE_TOKENS_COLD = c.DECODE_TOKENS_WARM = 1
             compile = "auto"
         t = time.perf_counter()

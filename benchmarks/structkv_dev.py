@@ -30,9 +30,9 @@ from pathlib import Path
 
 import structkv
 from structkv import methods
-from structkv.files import write_text_atomic
 from structkv.harness.eval import fidelity, runner
 from structkv.harness.eval.runner import EvalConfig, build_samples
+from structkv.util.files import write_text_atomic
 
 
 def configurations(kv: float, rs: float) -> dict:

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from structkv.fetch import cache_root
+from structkv.util.fetch import cache_root
 
 DEMO_METHODS = ["full", "streaming_llm", "snapkv", "pyramidkv", "h2o", "gemfilter", "fastkv", "structkv",
                 "structkv_paper"]
@@ -136,7 +136,7 @@ def _rank() -> int:
 def _stream_one(model, args, prompt, **kw) -> None:
     """Generate with tokens printed as they come (whole characters only), then a stats line on stderr."""
     import structkv
-    from structkv.generation import TextStream, format_stats
+    from structkv.runtime.generation import TextStream, format_stats
 
     printer = TextStream(model.tokenizer, sys.stdout) if not args.no_stream else None
     out = structkv.generate(model, prompt, stream=printer, **kw)

@@ -7,8 +7,8 @@ import torch
 
 import structkv
 from structkv import methods
-from structkv.generation import start
 from structkv.models.kv_cache import StackedKVCache
+from structkv.runtime.generation import start
 from structkv.serve.batcher import Batch, Row
 
 # (prompt length, method, max new tokens, sampling); seeds make sampled rows repeatable

@@ -81,8 +81,8 @@ def test_cli_chat(chat_dir, chat_model, capsys):
 
 
 def test_smollm2_chat_matches_transformers_and_answers(tmp_path):
-    from structkv.fetch import fetch
     from structkv.models.loading import SMOLLM2_GGUF
+    from structkv.util.fetch import fetch
 
     try:
         path = fetch(SMOLLM2_GGUF)[0]

@@ -5,9 +5,9 @@ import sys
 import pytest
 
 import structkv
-from structkv import compiling, methods
 from structkv.cli import main
-from structkv.generation import TextStream
+from structkv.runtime.generation import TextStream
+from structkv.util import compiling, methods
 
 
 @pytest.fixture(scope="module")

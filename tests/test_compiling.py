@@ -1,9 +1,9 @@
-"""structkv.compiling.compiled: one compiled callable per function, and a call past dynamo's
+"""structkv.util.compiling.compiled: one compiled callable per function, and a call past dynamo's
 recompile limit runs eager instead of failing (a long evaluation meets hundreds of cache shapes)."""
 import pytest
 import torch
 
-from structkv import compiling
+from structkv.util import compiling
 
 
 def _scaled_sum(x: torch.Tensor) -> torch.Tensor:
@@ -42,8 +42,8 @@ def test_compiled_decode_per_model_structure(tiny_dir):
     get their own graph (their greedy tokens match eager decode), models of one structure share one, and
     an in-place conversion (quantize) changes the key."""
     import structkv
-    from structkv.generation import _decode
     from structkv.models.quantized import quantize_model
+    from structkv.runtime.generation import _decode
 
     llama, qwen = structkv.load(str(tiny_dir("llama"))), structkv.load(str(tiny_dir("qwen2")))
     twin = structkv.load(str(tiny_dir("llama")))

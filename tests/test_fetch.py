@@ -8,8 +8,8 @@ import zipfile
 
 import pytest
 
-from structkv import fetch
-from structkv.fetch import WheelFile
+from structkv.util import fetch
+from structkv.util.fetch import WheelFile
 
 PAYLOAD = {"demo_data/data/essays.json": b'{"text": "hello"}', "demo_data/data/big.bin": bytes(range(256)) * 5000}
 
@@ -88,7 +88,7 @@ def test_concurrent_processes_fetch_once(house, tmp_path):
     """Six processes ask at once: one downloads, the others wait on the lock and read its files."""
     members = [(f.member, f.sha256) for f in _files()]
     args = ("--no-index", "--find-links", str(house))
-    code = ("import hashlib, sys; from structkv.fetch import WheelFile, fetch; "
+    code = ("import hashlib, sys; from structkv.util.fetch import WheelFile, fetch; "
             f"files = [WheelFile('demo-data', '1.0', m, s, 'test data') for m, s in {members!r}]; "
             f"print([hashlib.sha256(p.read_bytes()).hexdigest() for p in fetch(*files, pip_args={args!r})])")
     env = {**__import__("os").environ, "STRUCTKV_CACHE": str(tmp_path / "cache")}

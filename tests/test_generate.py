@@ -5,7 +5,7 @@ from conftest import ARCHS
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import structkv
-from structkv.generation import compiled_prefill
+from structkv.runtime.generation import compiled_prefill
 
 
 def _ids(n, seed=0):
@@ -59,7 +59,7 @@ def test_sampling_is_seeded_and_respects_top_k(tiny_dir):
 
 
 def test_top_p_keeps_smallest_nucleus():
-    from structkv.generation import sample
+    from structkv.runtime.generation import sample
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     gen = torch.Generator().manual_seed(0)
@@ -85,7 +85,7 @@ def test_stop_checks_are_batched_but_steps_count_as_if_checked_every_step():
     check's worth of steps runs past it."""
     from types import SimpleNamespace
 
-    from structkv import generation
+    from structkv.runtime import generation
 
     script = [[5, 6, 9, 7, 7, 7, 7, 7, 7, 7, 7, 7], [5, 5, 5, 5, 9, 7, 7, 7, 7, 7, 7, 7]]  # EOS = 9
     calls = []

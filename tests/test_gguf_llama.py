@@ -195,8 +195,8 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path, monkeypatch
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from structkv.fetch import fetch
     from structkv.models.loading import SMOLLM2_GGUF
+    from structkv.util.fetch import fetch
 
     try:
         path = fetch(SMOLLM2_GGUF)[0]

@@ -69,7 +69,7 @@ def test_the_checker_finds_a_circle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"p": {"p.x"}, "p.x": {"q"}, "q": set()}) is None
     graph = _graph()  # the lazy import the package once had: methods -> calibration -> compress -> methods
-    graph["structkv.methods"].add("structkv.calibration")
+    graph["structkv.methods"].add("structkv.runtime.calibration")
     assert _cycle(graph) is not None
 
 
@@ -87,3 +87,54 @@ def test_text_handling_lives_in_one_subpackage():
     names = {p.stem for p in ROOT.glob("*.py")}
     assert not names & {"tokenizer", "detokenize", "prompts", "chat", "data"}
     assert {p.stem for p in (ROOT / "text").glob("*.py")} >= {"tokenizer", "detokenize", "prompts", "chat"}
+
+
+def _package(module: str) -> str:
+    """The layer a module belongs to: its first subpackage (structkv.models.decoder -> models),
+    or the module itself at the root (structkv.cli)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "structkv"
+
+
+def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Imports between packages: a module of one importing a module of another."""
+    out: dict[str, set[str]] = {}
+    for m, targets in graph.items():
+        a = _package(m)
+        out.setdefault(a, set())
+        for n in targets:
+            if (b := _package(n)) != a:
+                out[a].add(b)
+                out.setdefault(b, set())
+    return out
+
+
+def test_no_import_circle_between_packages():
+    """The packages are layers (util, ops, text, distributed, models, modules, methods, runtime,
+    harness and serve, then cli and the API): two of them importing each other, even through
+    different modules, is a circle too."""
+    graph = _package_graph(_graph())
+    graph.pop("structkv", None)  # the API and the command line import everything and nothing imports them
+    for targets in graph.values():
+        targets.discard("structkv")
+    cycle = _cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_package_checker_finds_a_circle_through_different_modules():
+    graph = _graph()
+    graph["structkv.distributed.group"].add("structkv.models.decoder")  # models.empty -> distributed.sharding
+    assert _cycle(_package_graph(graph)) is not None
+
+
+def test_the_package_root_holds_the_api_and_the_command_line_only():
+    """Engine modules live in the layer they belong to (runtime, util), not loose at the root."""
+    assert {p.stem for p in ROOT.glob("*.py")} == {"__init__", "cli"}
+
+
+def test_the_bottom_layers_import_nothing_above_them():
+    """util imports no other part of structkv; ops only util; distributed only util."""
+    graph = _package_graph(_graph())
+    assert graph["util"] == set()
+    assert graph["ops"] <= {"util"}
+    assert graph["distributed"] <= {"util"}

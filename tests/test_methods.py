@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 
 import structkv
 from structkv import methods
-from structkv.compress import compress
 from structkv.models import StaticKVCache
 from structkv.modules import (
     CentralityTracker,
@@ -19,6 +18,7 @@ from structkv.modules import (
     select_tokens,
 )
 from structkv.ops import visible
+from structkv.runtime.compress import compress
 from structkv.text.prompts import encode_batch
 
 FULL_BUDGET = {"kv_budget": 1.0, "struct_budget": 1.0}

@@ -4,8 +4,8 @@ cache, their own conventions, one validated StructKV config."""
 import torch
 from torch import nn
 
-from structkv.models.kv_cache import BudgetedKVCache
 from structkv.modules import CentralityTracker, LayerView, PivotDetector, SkeletonPruner, pooled_saliency
+from structkv.modules.budgeted_cache import BudgetedKVCache
 from structkv.ops import window_scores
 
 

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 import structkv
 from structkv import methods
-from structkv.compress import compress, compress_shared
 from structkv.modules.reconstruction import reconstruction_scores
+from structkv.runtime.compress import compress, compress_shared
 from structkv.text.prompts import encode_batch
 
 

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 import structkv
 from structkv import methods
-from structkv.compress import compress
-from structkv.generation import _extend_state
 from structkv.models.archive import ArchiveError, open_archive
 from structkv.modules.recall import KERNEL
+from structkv.runtime.compress import compress
+from structkv.runtime.generation import _extend_state
 from structkv.text.prompts import encode_batch
 
 

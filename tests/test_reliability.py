@@ -16,8 +16,8 @@ from conftest import write_tiny_gemma_gguf
 import structkv
 from structkv import methods
 from structkv.cli import main
-from structkv.files import write_text_atomic
 from structkv.harness.eval import runner
+from structkv.util.files import write_text_atomic
 
 pytest.importorskip("wonderwords", reason="RULER word lists: pip install 'structkv[eval]'")
 ARGS = ["--methods", "full,snapkv", "--kv-budget", "0.3", "--lengths", "1024", "--tasks", "niah_single_1",

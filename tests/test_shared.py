@@ -6,9 +6,9 @@ from hypothesis import strategies as st
 
 import structkv
 from structkv import methods
-from structkv.compress import compress, compress_shared
-from structkv.generation import generate_states
 from structkv.models.kv_cache import StackedKVCache
+from structkv.runtime.compress import compress, compress_shared
+from structkv.runtime.generation import generate_states
 from structkv.text.prompts import encode_batch
 
 

@@ -1,13 +1,13 @@
 """Tensor parallelism on CPU: 2 gloo ranks spawned by the test against one process, on tiny random
-llama, qwen2, qwen3 and gemma3_text models, for `full` and every method (structkv.distributed.check
+llama, qwen2, qwen3 and gemma3_text models, for `full` and every method (structkv.harness.tp_check
 compares logits, greedy tokens, pivots, tokens per layer, kept columns and each rank's cache)."""
 import time
 
 import pytest
 from conftest import make_hf_model
 
-from structkv.distributed import check
 from structkv.distributed.sharding import local_config
+from structkv.harness import tp_check as check
 from structkv.models.config import ModelConfig
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text"]

@@ -9,6 +9,6 @@ Pieces: `group` (the process group and its collectives), `sharding` (what each r
 slice by slice from safetensors), `linear` (the row-parallel projection).
 """
 from .group import TensorParallel, init
-from .sharding import local_config, shard_model, sharded_decoder
+from .sharding import local_config, shard_model
 
-__all__ = ["TensorParallel", "init", "local_config", "shard_model", "sharded_decoder"]
+__all__ = ["TensorParallel", "init", "local_config", "shard_model"]

@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from ..compiling import forget_structure
+from ..util.compiling import forget_structure
 from .linear import RowParallelLinear
 
 ROWS = re.compile(r"model\.layers\.\d+\.(self_attn\.(q|k|v)_proj\.(weight|bias)|mlp\.(gate|up)_proj\.weight)$")
@@ -50,16 +50,6 @@ def read_shard(handle, name: str, world: int, rank: int) -> torch.Tensor:
         return part[:]
     dim, start, stop = spec
     return part[start:stop] if dim == 0 else part[:, start:stop]
-
-
-def sharded_decoder(cfg, tp):
-    """This rank's part of a Decoder for the whole model's `cfg`: local heads and MLP width,
-    row-parallel where the split needs a sum (build it under the meta device, then assign weights)."""
-    from ..models.decoder import Decoder
-
-    model = Decoder(local_config(cfg, tp.world))
-    shard_model(model, tp)
-    return model
 
 
 def shard_model(model, tp) -> None:

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from .. import methods as methods_registry
-from ..generation import generate
 from ..modules.budget import Budget
-from ..timing import sync
+from ..runtime.generation import generate
+from ..util.timing import sync
 from . import environment, pyplot
 
 

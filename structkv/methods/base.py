@@ -147,7 +147,7 @@ class Method:
 
     def prefill_key(self) -> tuple:
         """Methods with equal keys compute the same hidden states to the last layer (they differ only
-        in what each layer's cache keeps): one lane of `structkv.compress.compress_shared`. Methods
+        in what each layer's cache keeps): one lane of `structkv.runtime.compress.compress_shared`. Methods
         that keep every token to the last layer share ("all",)."""
         return ("all",)
 

@@ -65,7 +65,7 @@ class WindowScored(Method):
     observe: int | None = None
     pool_query_heads: bool = False
     # Query-agnostic option: a text appended to the context during compression only, whose queries
-    # are the observation window (`structkv.probe`); None: the context's last `window` tokens.
+    # are the observation window (`structkv.runtime.probe`); None: the context's last `window` tokens.
     probe: str | None = None
     compresses_kv = True
     min_window = 1

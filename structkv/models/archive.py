@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from ..files import write_atomic
 from ..ops.kv_quant import dequantize_kv, quantize_kv
+from ..util.files import write_atomic
 
 KINDS = ("int4", "int8", "bf16", "float")
 FORMAT = "structkv-archive/1"

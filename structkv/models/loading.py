@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from ..fetch import WheelFile, cache_root, fetch, hub_reachable
-from ..files import read_json_object, write_text_atomic
 from ..text.tokenizer import Tokenizer
+from ..util.fetch import WheelFile, cache_root, fetch, hub_reachable
+from ..util.files import read_json_object, write_text_atomic
 from .config import ModelConfig
 from .decoder import Decoder
 from .empty import empty_decoder

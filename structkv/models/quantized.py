@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..compiling import forget_structure
 from ..ops.int8_head import int8_head_logits
 from ..ops.quantized_linear import int4_linear, int4_product, int4_weight, int8_linear, int8_product, int8_row_fused
+from ..util.compiling import forget_structure
 
 WEIGHTS = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP = 32  # GGUF's block size (Q4_0, Q4_1, Q5_0, Q8_0); the kernel takes 32, 64, 128 or 256

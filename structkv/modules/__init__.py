@@ -1,7 +1,7 @@
 """Composable modules of StructKV: centrality, pivot detection, skeleton pruning, budgeted cache,
 and `StructKVCompressor`, which joins the first three into StructKV's propagation."""
-from ..models.kv_cache import BudgetedKVCache, pads_last
 from .budget import Budget
+from .budgeted_cache import BudgetedKVCache, pads_last
 from .centrality import CentralityTracker
 from .compressor import StructKVCompressor
 from .pivot import PivotDetector, PivotTrace, calibrate_pivot, candidate_layers

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ops import window_scores
-from ..timing import NO_TIMER, Timer
+from ..util.timing import NO_TIMER, Timer
 from .scores import (
     key_novelty,
     last_query_logits,

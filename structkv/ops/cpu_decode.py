@@ -44,8 +44,8 @@ def _cpu_id() -> str:
 
 def _build(compiler: str) -> Path:
     """The shared library for this source, flags, compiler and CPU, built once (atomically)."""
-    from ..fetch import cache_root
-    from ..files import write_atomic
+    from ..util.fetch import cache_root
+    from ..util.files import write_atomic
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_id()]).encode()).hexdigest()

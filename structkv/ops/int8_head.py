@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compiling import compiled
+from ..util.compiling import compiled
 
 BLOCK = 32
 

@@ -2,7 +2,7 @@
 
 Why: a decode step reads every weight once whatever the batch, and on a CPU (or a GPU at small
 batch) it is bound by those reads, so N requests decoding together cost little more per step than
-one. Each request is prefilled alone (`structkv.generation.start`: its own method and budgets, or
+one. Each request is prefilled alone (`structkv.runtime.generation.start`: its own method and budgets, or
 its cached context extended by the question) and then joins the batch between two steps; its cache
 rows are stacked with the others' (`StackedKVCache`: different lengths, methods and budgets share
 one step, empty slots masked). Every row samples with its own settings and generator, stops on its
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generation import Started, _decode, compiled_decode, eos_ids, sample
 from ..models.kv_cache import StackedKVCache
+from ..runtime.generation import Started, _decode, compiled_decode, eos_ids, sample
 
 
 @dataclass
@@ -74,7 +74,7 @@ class Batch:
     ended and feeds the others' tokens through one decode step. Rows are in join order.
 
     Args: model; compile: the decode step's backend (None: eager; a compiled step recompiles for
-    each new batch size and cache capacity, up to `structkv.compiling`'s limit, then runs eager).
+    each new batch size and cache capacity, up to `structkv.util.compiling`'s limit, then runs eager).
     """
 
     def __init__(self, model, compile: str | None = None):

@@ -24,11 +24,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..compress import prefill
-from ..generation import _backends, start
 from ..methods import CONTEXT_DEFAULT, Budget, build, context_archive, has_struct_budget, names
 from ..models.archive import ArchiveError, check_kind
-from ..models.state_file import load_state, save_state
+from ..runtime.compress import prefill
+from ..runtime.generation import _backends, start
+from ..runtime.state_file import load_state, save_state
 from ..text import chat
 from ..text.detokenize import StopText
 from .batcher import Batch, Row

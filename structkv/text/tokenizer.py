@@ -12,7 +12,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from ..files import read_json_object
+from ..util.files import read_json_object
 
 # End-of-turn tokens of common chat templates (Gemma, ChatML, Llama 3, Phi).
 TURN_ENDS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")

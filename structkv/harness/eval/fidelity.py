@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ...files import write_text_atomic
+from ...util.files import write_text_atomic
 from .. import mean
 from .runner import (
     Progress,
@@ -60,9 +60,9 @@ def measure(model, ids: list[int], methods: list, continuation: int, gold: list[
             question: list[int] | None = None) -> list[dict]:
     """{kl, top1, gold_nll} per method for one prompt (the full cache's own row is the reference);
     `question`: appended uncompressed after the compressed `ids` before what is scored."""
-    from ...compress import compress_shared
     from ...methods import Full
     from ...models.kv_cache import StackedKVCache
+    from ...runtime.compress import compress_shared
     from ...text.prompts import encode_batch
 
     tokens, positions, _ = encode_batch(model, [ids])

@@ -19,8 +19,8 @@ import json
 import zipfile
 from pathlib import Path
 
-from ...fetch import cache_root, hub_file, locked
-from ...files import write_atomic
+from ...util.fetch import cache_root, hub_file, locked
+from ...util.files import write_atomic
 from .metrics import LONGBENCH_METRIC
 from .sources import data_dir
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ...files import read_json
+from ...util.files import read_json
 from .sources import ruler_file
 from .text import split_sentences
 

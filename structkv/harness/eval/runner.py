@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ... import methods as methods_registry
-from ...files import write_text_atomic
 from ...models.quantized import check_weights
 from ...modules.budget import Budget
 from ...ops.kv_quant import check_kv_dtype
+from ...util.files import write_text_atomic
 from .. import environment, mean, median
 from . import metrics
 
@@ -621,7 +621,7 @@ def _compress_all(model, input_ids: list[int], methods: list, room: int, compile
     """One prefill pass of every method over `input_ids` (methods share the layers before their
     propagation), each state with `room` free slots; with `archive`, the states of the runs that
     recall (`recalls`, one per method; None: none) keep their evicted entries."""
-    from ...compress import compress_shared
+    from ...runtime.compress import compress_shared
     from ...text.prompts import encode_batch
 
     tokens, positions, _ = encode_batch(model, [input_ids])
@@ -637,7 +637,7 @@ def _answer(model, states: list, max_new_tokens: int, compile, question=None, re
     """One stacked decode of every state, after `question` (appended uncompressed to each, with
     `recall` from the states' archives; the states are not modified, so a context's next question
     can reuse them)."""
-    from ...generation import generate_states
+    from ...runtime.generation import generate_states
 
     return generate_states(model, states, max_new_tokens=max_new_tokens, compile=compile, question=question,
                            recall=recall)
@@ -647,7 +647,7 @@ def _run_alone(model, sample: dict, method, max_new_tokens: int, compile):
     """One method on one sample: the whole prompt compressed, or (query-agnostic) the context
     compressed and the question appended to it."""
     from ... import prefill
-    from ...generation import generate
+    from ...runtime.generation import generate
 
     question = sample.get("question_ids")
     if question is None:

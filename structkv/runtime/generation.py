@@ -4,7 +4,7 @@ The decode step is compiled once per cache shape with `fullgraph=True` (the cach
 rounded up to a multiple of `kv_cache.CAPACITY_MULTIPLE`, so calls with similar lengths share it); the
 prefill is compiled with a dynamic prompt length, so one compile serves every prompt length.
 `compile=False` runs eager; the default "auto" compiles only what pays for the call
-(`structkv.compiling`). Prompts of a batch are left-padded: padding has position -1, so it
+(`structkv.util.compiling`). Prompts of a batch are left-padded: padding has position -1, so it
 is never a visible key and every row gets exactly what it would get alone.
 """
 from __future__ import annotations
@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compiling import compiled, compiled_per_model, mark_warm, should_compile_decode
-from .models.kv_cache import StackedKVCache, StaticKVCache, round_capacity
+from ..models.kv_cache import StackedKVCache, StaticKVCache, round_capacity
+from ..text.detokenize import StopText
+from ..text.prompts import PROMPT_TYPES, encode_batch, ids_from_prompt, is_batch
+from ..util.compiling import compiled, compiled_per_model, mark_warm, should_compile_decode
+from ..util.timing import NO_TIMER, Timer, sync
 from .stats import PrefillStats
-from .text.detokenize import StopText
-from .text.prompts import PROMPT_TYPES, encode_batch, ids_from_prompt, is_batch
-from .timing import NO_TIMER, Timer, sync
 
 
 @dataclass
@@ -54,7 +54,7 @@ def compiled_prefill(backend="inductor"):
 
 def compiled_decode(backend="inductor"):
     """The decode step, compiled once per model structure and cache shape (without dynamo's
-    per-step checks of every module and weight: `structkv.compiling.compiled_per_model`)."""
+    per-step checks of every module and weight: `structkv.util.compiling.compiled_per_model`)."""
     return compiled_per_model(_decode, backend, fullgraph=True, dynamic=False)
 
 
@@ -91,7 +91,7 @@ def _check_sampling(max_new_tokens, temperature, top_k, top_p):
 
 def _method(method):
     """A Method, a registered name (with its default options), or None."""
-    from .methods import Method, get
+    from ..methods import Method, get
 
     if method is None or isinstance(method, Method):
         return method
@@ -117,7 +117,7 @@ def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, tem
     `state`: a `CompressedState` from `structkv.prefill(model, context, method)`; `prompt` is then a question
     appended to the compressed context (not compressed itself), on a copy of the cache.
     `compile`: True (inductor), False (eager), "auto" (compile only where it pays for this call,
-    `structkv.compiling`) or a torch.compile backend.
+    `structkv.util.compiling`) or a torch.compile backend.
     `stream`: called after every step with each row's new token id (None for a row that has
     stopped), so text can be shown as it is produced; returning True stops generation there.
     `timing`: time the compression's phases (scoring, selection, cache fill; synchronises a GPU at
@@ -389,7 +389,7 @@ def format_stats(stats: dict) -> str:
 
 def _chat_prompt(model, prompt, messages, state) -> list[int]:
     """Token ids of a chat turn: the whole conversation, or what follows a state's messages."""
-    from .text import chat
+    from ..text import chat
 
     if prompt is not None:
         raise ValueError("give either a prompt or chat messages, not both")
@@ -410,7 +410,7 @@ def _chat_prompt(model, prompt, messages, state) -> list[int]:
 def _backends(model, compile, max_new_tokens) -> tuple:
     """(prefill backend, decode backend) for `generate`'s `compile` argument; None = eager.
     "auto" runs the prefill eager and compiles the decode step only when it pays
-    (`structkv.compiling`)."""
+    (`structkv.util.compiling`)."""
     if compile == "auto":
         return None, ("inductor" if should_compile_decode(model, max_new_tokens) else None)
     backend = "inductor" if compile is True else (compile or None)
@@ -477,7 +477,7 @@ def _extend_state(model, state, question, max_new_tokens, recall=None, stats: di
         cache = state.cache.clone()
         logits = model.extend(tokens, positions, cache)
     else:
-        from .modules.recall import recall_extend
+        from ..modules.recall import recall_extend
 
         t0 = time.perf_counter()
         cache, logits, done = recall_extend(model, state, tokens, positions, recall)
@@ -491,7 +491,7 @@ def _extend_state(model, state, question, max_new_tokens, recall=None, stats: di
 def resolve_recall(state, recall):
     """The recall budget a question on `state` uses: `recall` (0: none), or the state's default;
     None when nothing is recalled. A budget without an archive is refused."""
-    from .modules.budget import Budget
+    from ..modules.budget import Budget
 
     if isinstance(recall, (int, float)) and not isinstance(recall, bool) and recall == 0:
         return None

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ..stats import PrefillStats
-from .archive import ArchiveError, crc_check, from_tensors, read_file, write_file
-from .kv_cache import KVCache, LayerKVCache
+from ..models.archive import ArchiveError, crc_check, from_tensors, read_file, write_file
+from ..models.kv_cache import KVCache, LayerKVCache
+from .stats import PrefillStats
 
 STATE_FORMAT = "structkv-state/1"
 
@@ -52,7 +52,7 @@ def load_state(path, model, method):
     a question first reads it. Raises `ArchiveError` for a file that cannot be trusted."""
     import weakref
 
-    from ..compress import CompressedState
+    from .compress import CompressedState
 
     path = Path(path)
     meta, tensors = read_file(path, STATE_FORMAT, "state file")

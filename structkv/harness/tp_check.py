@@ -2,7 +2,7 @@
 whole and as a TP shard in every rank, and compare, for `full` and every registered method:
 logits, greedy tokens, pivots, tokens computed per layer, kept prompt columns and each rank's
 cache entries (its heads of the single-process cache). Used by tests/test_tensor_parallel.py and
-by benchmarks/gpu_check.sh (`python -m structkv.distributed.check FOLDER ...`).
+by benchmarks/gpu_check.sh (`python -m structkv.harness.tp_check FOLDER ...`).
 
 Every rank records what differs; rank 0 writes the union as JSON. A rank that raises ends the
 spawn with its traceback; collectives time out (`timeout_s`), so a lost rank never hangs the run.
@@ -32,7 +32,7 @@ def compare_folder(folder: str, world: int, compile_decode: bool = False) -> lis
     """What differs between `folder` loaded whole and as this rank's TP shard (empty: nothing)."""
     import structkv
     from structkv import methods
-    from structkv.compress import compress
+    from structkv.runtime.compress import compress
     from structkv.text.prompts import encode_batch
 
     whole, shard = structkv.load(folder), structkv.load(folder, tp=world)
@@ -64,7 +64,7 @@ def _quantized_kv(whole, shard, rows, tokens, positions, folder) -> list[str]:
     and decodes the same tokens."""
     import structkv
     from structkv import methods
-    from structkv.compress import compress
+    from structkv.runtime.compress import compress
 
     bad = []
     for kv_dtype in ("int8", "int4"):

@@ -14,7 +14,7 @@ tokens; the stream goes on as that fork when no lane is left on it, otherwise th
 the next layer after it. GemFilter's propagation restarts instead: the engine re-encodes the kept
 tokens (renumbered) with the full cache. Scores are computed once per stream and layer
 (`LayerView` memoises them). `compress(model, ..., method)` is this engine with one method;
-calibration (`structkv.calibration`) is this engine with an observer.
+calibration (`structkv.runtime.calibration`) is this engine with an observer.
 
 Every token carries its original position (left padding = -1), so a kept subset attends exactly
 as it would in the full prompt. Hybrid models (Gemma 3): only full-attention layers are planned or
@@ -31,14 +31,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..methods import Full, Method
+from ..models.decoder import STOP, run_block
+from ..modules import LayerView
+from ..modules.budgeted_cache import BudgetedKVCache
+from ..text.prompts import encode_batch, is_batch
+from ..util.timing import NO_TIMER, Timer, clock
 from . import probe as probing
-from .methods import Full, Method
-from .models.decoder import STOP, run_block
-from .models.kv_cache import BudgetedKVCache
-from .modules import LayerView
 from .stats import PrefillStats
-from .text.prompts import encode_batch, is_batch
-from .timing import NO_TIMER, Timer, clock
 
 
 @dataclass
@@ -75,7 +75,7 @@ class Stream:
     columns: torch.Tensor
     lengths: list[int]
     tp: object = None  # the model's TensorParallel group, if it is one rank's shard
-    probe: int = 0  # the last `probe` tokens are a probe (`structkv.probe`), not context
+    probe: int = 0  # the last `probe` tokens are a probe (`structkv.runtime.probe`), not context
 
     @classmethod
     def start(cls, model, tokens: torch.Tensor, positions: torch.Tensor, lengths: list[int],
@@ -218,7 +218,7 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
 
     `room`: cache slots after the kept entries for tokens appended later (generation, questions).
     `compile`: False (eager), True (inductor) or a backend: each layer block runs compiled with a
-    dynamic length. `timer`: a `structkv.timing.Timer` to fill the phase times of the stats.
+    dynamic length. `timer`: a `structkv.util.timing.Timer` to fill the phase times of the stats.
     `archive`: also keep every evicted entry, in this kind ("int4", "int8", "bf16", "float"), as
     the state's `archive`, so a question can recall them (`structkv.generate(..., recall=...)`).
     """
@@ -234,7 +234,7 @@ def compress_shared(model, tokens: torch.Tensor, positions: torch.Tensor, method
     method's share can be told); `observe(view)`: called with every layer's `LayerView` of the
     first stream (calibration reads the pivot statistics there); `archive`: see `compress`
     (every state keeps its own evicted entries), or a list with one kind (or None) per method."""
-    from .models.archive import check_kind
+    from ..models.archive import check_kind
 
     methods = [m or Full() for m in methods]
     if not methods:
@@ -410,7 +410,7 @@ def _finish(model, tokens, stream: Stream, lanes: list[_Lane], lengths, ledger: 
 def _archive(cache: BudgetedKVCache):
     """The evicted entries the cache collected, as a `KVArchive` taken out of it (a cloned cache
     must not copy them), or None when none was asked for."""
-    from .models.archive import KVArchive
+    from ..models.archive import KVArchive
 
     if cache.archive_kind is None:
         return None
@@ -460,11 +460,11 @@ def prefill(model, context=None, method: Method | None = None, *, messages=None,
     the context or a count; default `structkv.modules.recall.DEFAULT_RECALL`) chosen by its own
     attention (`structkv.modules.recall`). `archive_dir`: the archive goes to a file there
     (memory-mapped; RAM then holds only the hot set)."""
-    from .modules.budget import Budget
-    from .modules.recall import DEFAULT_RECALL
+    from ..modules.budget import Budget
+    from ..modules.recall import DEFAULT_RECALL
 
     if isinstance(method, str):
-        from .methods import get
+        from ..methods import get
 
         method = get(method)
     if archive is None and (recall is not None or archive_dir is not None):
@@ -475,7 +475,7 @@ def prefill(model, context=None, method: Method | None = None, *, messages=None,
     if (context is None) == (messages is None):
         raise ValueError("give the context either as `context` (text or ids) or as chat `messages`")
     if messages is not None:
-        from .text.chat import encode as encode_chat
+        from ..text.chat import encode as encode_chat
 
         context = encode_chat(_tokenizer(model), messages, add_generation_prompt=False)
     tokens, positions, _ = encode_batch(model, context if is_batch(context) else [context])
@@ -536,7 +536,7 @@ def layer_block(compile, cfg):
     layer kind serves every length, before and after propagation."""
     if not compile:
         return run_block
-    from .compiling import compiled
+    from ..util.compiling import compiled
 
     fn = compiled(run_block, "inductor" if compile is True else compile, fullgraph=True)
 
