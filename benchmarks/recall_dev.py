@@ -19,7 +19,8 @@ from structkv import methods
 from structkv.harness.eval.runner import EvalConfig, build_samples, score
 from structkv.modules.recall import recall_extend
 from structkv.runtime.compress import compress_shared
-from structkv.runtime.generation import _decode, _decode_loop, _question_ids
+from structkv.runtime.decoding import Decoding, decode_tokens
+from structkv.runtime.generation import _question_ids
 from structkv.text.prompts import encode_batch
 
 
@@ -61,8 +62,7 @@ def main() -> None:
                 for k in kernels:
                     cache, logits, _ = recall_extend(model, state, q, pos, recall, kernel=k)
                     cap = min(args.max_new_tokens, s["max_new_tokens"])
-                    out, _ = _decode_loop(model, logits, pos[:, -1:] + 1, cache, cap, 0.0, None, None,
-                                          True, None, _decode)
+                    out, _ = decode_tokens(Decoding(model, cache, logits, pos[:, -1:] + 1), cap)
                     hits[(name, k)] += score(s, model.tokenizer.decode(out[0]))
         done = 4 * (c + 1)
         print(f"after {done} questions: " + ", ".join(f"{n}/k{k} {100 * hits[(n, k)] / done:.0f}" for n in names

@@ -36,7 +36,8 @@ def main() -> None:
     import structkv
     from structkv.models import linear
     from structkv.models.kv_cache import StackedKVCache
-    from structkv.runtime.generation import _decode, compiled_decode, start
+    from structkv.runtime.decoding import compiled_decode, decode_step
+    from structkv.runtime.generation import start
 
     torch.set_num_threads(args.threads)
     model = structkv.load(args.model)
@@ -47,7 +48,7 @@ def main() -> None:
     def set_path(enabled: bool):
         linear.SKINNY_ROWS, linear.HEAD_ROWS = on if enabled else (0, 0)
 
-    runs = [("eager", b, _decode) for b in map(int, args.batches.split(","))]
+    runs = [("eager", b, decode_step) for b in map(int, args.batches.split(","))]
     if not args.no_compiled:
         runs.append(("compiled", 1, compiled_decode("inductor")))
     print(f"{args.model}, float32 weights, {args.threads} threads, decode step after a 1024-token prompt "

@@ -5,9 +5,10 @@ import sys
 import pytest
 
 import structkv
+from structkv import methods
 from structkv.cli import main
 from structkv.runtime.generation import TextStream
-from structkv.util import compiling, methods
+from structkv.util import compiling
 
 
 @pytest.fixture(scope="module")

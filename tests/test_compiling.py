@@ -43,7 +43,7 @@ def test_compiled_decode_per_model_structure(tiny_dir):
     an in-place conversion (quantize) changes the key."""
     import structkv
     from structkv.models.quantized import quantize_model
-    from structkv.runtime.generation import _decode
+    from structkv.runtime.decoding import decode_step
 
     llama, qwen = structkv.load(str(tiny_dir("llama"))), structkv.load(str(tiny_dir("qwen2")))
     twin = structkv.load(str(tiny_dir("llama")))
@@ -53,7 +53,7 @@ def test_compiled_decode_per_model_structure(tiny_dir):
         eager = structkv.generate(model, ids, max_new_tokens=6, stop_at_eos=False, compile=False)
         done = structkv.generate(model, ids, max_new_tokens=6, stop_at_eos=False, compile="eager")
         assert done.token_ids == eager.token_ids
-    copies = {tag for fn, tag in compiling._OWN_CODE if fn is _decode}
+    copies = {tag for fn, tag in compiling._OWN_CODE if fn is decode_step}
     assert {compiling.structure_key(llama), compiling.structure_key(qwen)} <= copies  # twin: llama's
     before = compiling.structure_key(twin)
     quantize_model(twin, "int8")

@@ -59,7 +59,7 @@ def test_sampling_is_seeded_and_respects_top_k(tiny_dir):
 
 
 def test_top_p_keeps_smallest_nucleus():
-    from structkv.runtime.generation import sample
+    from structkv.runtime.decoding import sample
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     gen = torch.Generator().manual_seed(0)
@@ -85,7 +85,7 @@ def test_stop_checks_are_batched_but_steps_count_as_if_checked_every_step():
     check's worth of steps runs past it."""
     from types import SimpleNamespace
 
-    from structkv.runtime import generation
+    from structkv.runtime import decoding
 
     script = [[5, 6, 9, 7, 7, 7, 7, 7, 7, 7, 7, 7], [5, 5, 5, 5, 9, 7, 7, 7, 7, 7, 7, 7]]  # EOS = 9
     calls = []
@@ -100,10 +100,10 @@ def test_stop_checks_are_batched_but_steps_count_as_if_checked_every_step():
         return logits_at(len(calls))
 
     model = SimpleNamespace(config=SimpleNamespace(eos_token_ids=(9,)), tokenizer=None, device="cpu")
-    ids, steps = generation._decode_loop(model, logits_at(0), torch.zeros(2, 1, dtype=torch.long), None, 12, 0.0,
-                                         None, None, True, None, decode)
+    rows = decoding.Decoding(model, None, logits_at(0), torch.zeros(2, 1, dtype=torch.long), decode)
+    ids, steps = decoding.decode_tokens(rows, 12, 0.0, None, None, True, None)
     assert ids == [[5, 6], [5, 5, 5, 5]] and steps == 5
-    assert len(calls) < generation.STOP_CHECK_EVERY  # checked once, at the 8th step, not at every step
+    assert len(calls) < decoding.STOP_CHECK_EVERY  # checked once, at the 8th step, not at every step
 
 
 # ---------------------------------------------------------------------------- bad input

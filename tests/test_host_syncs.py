@@ -15,7 +15,7 @@ import torch
 import structkv
 from structkv import methods
 
-engine = importlib.import_module("structkv.compress")  # the module (the package exports the function)
+engine = importlib.import_module("structkv.runtime.compress")  # the module (the package exports the function)
 
 READS = ("tolist", "item", "__bool__", "__int__", "__float__")
 

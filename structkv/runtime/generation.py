@@ -5,7 +5,8 @@ rounded up to a multiple of `kv_cache.CAPACITY_MULTIPLE`, so calls with similar 
 prefill is compiled with a dynamic prompt length, so one compile serves every prompt length.
 `compile=False` runs eager; the default "auto" compiles only what pays for the call
 (`structkv.util.compiling`). Prompts of a batch are left-padded: padding has position -1, so it
-is never a visible key and every row gets exactly what it would get alone.
+is never a visible key and every row gets exactly what it would get alone. The decode loop itself
+(the step, sampling, stopping) is `structkv.runtime.decoding`, shared with the server's batch.
 """
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ import torch
 from ..models.kv_cache import StackedKVCache, StaticKVCache, round_capacity
 from ..text.detokenize import StopText
 from ..text.prompts import PROMPT_TYPES, encode_batch, ids_from_prompt, is_batch
-from ..util.compiling import compiled, compiled_per_model, mark_warm, should_compile_decode
+from ..util.compiling import compiled, mark_warm
 from ..util.timing import NO_TIMER, Timer, sync
+from .decoding import Decoding, backends, decode_tokens, step_function
 from .stats import PrefillStats
 
 
@@ -43,38 +45,9 @@ def _prefill(model, tokens, positions):
     return model.prompt_pass(tokens, positions)
 
 
-def _decode(model, tokens, positions, cache):
-    return model.decode_step(tokens, positions, cache)
-
-
 def compiled_prefill(backend="inductor"):
     """The uncompressed prompt pass, compiled with a dynamic prompt length."""
     return compiled(_prefill, backend, fullgraph=True)
-
-
-def compiled_decode(backend="inductor"):
-    """The decode step, compiled once per model structure and cache shape (without dynamo's
-    per-step checks of every module and weight: `structkv.util.compiling.compiled_per_model`)."""
-    return compiled_per_model(_decode, backend, fullgraph=True, dynamic=False)
-
-
-def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-           generator: torch.Generator | None) -> torch.Tensor:
-    """Next token per row from logits (B, V): greedy at temperature 0, else top-k / nucleus sampling."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest set reaching top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def _check_sampling(max_new_tokens, temperature, top_k, top_p):
@@ -134,8 +107,7 @@ def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, tem
         raise TypeError(f"a prompt must be {PROMPT_TYPES}, got NoneType (or give chat messages=[...])")
     if isinstance(prompt, (list, tuple)) and len(prompt) == 0:
         raise ValueError("prompt is empty: give text, token ids or a non-empty list of prompts")
-    backend, decode_backend = _backends(model, compile, max_new_tokens)
-    decode = compiled_decode(decode_backend) if decode_backend else _decode
+    backend, decode_backend = backends(model, compile, max_new_tokens)
     t0 = time.perf_counter()
     run = start(model, prompt, max_new_tokens=max_new_tokens, method=method, state=state, backend=backend,
                 decode_backend=decode_backend, timing=timing, recall=recall)
@@ -143,8 +115,8 @@ def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, tem
     t1 = time.perf_counter()
     cache, stats, B = run.cache, run.stats, run.logits.shape[0]
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
-    ids, steps = _decode_loop(model, run.logits, run.next_pos, cache, max_new_tokens, temperature, top_k, top_p,
-                              stop_at_eos, generator, decode, stream)
+    rows = Decoding(model, cache, run.logits, run.next_pos, step_function(decode_backend))
+    ids, steps = decode_tokens(rows, max_new_tokens, temperature, top_k, top_p, stop_at_eos, generator, stream)
     sync(model.device)
     t2 = time.perf_counter()
     texts = [model.tokenizer.decode(r) for r in ids] if model.tokenizer is not None else [None] * B
@@ -226,51 +198,6 @@ def start(model, prompt, *, max_new_tokens: int, method=None, state=None, backen
     return Started(cache, logits, next_pos, lengths, stats, prefill, kept, batched)
 
 
-def eos_ids(model) -> tuple[int, ...]:
-    """The token ids that end a generation: the config's, else the tokenizer's."""
-    return tuple(model.config.eos_token_ids or (model.tokenizer.eos_ids if model.tokenizer is not None else ()))
-
-
-STOP_CHECK_EVERY = 8  # decode steps between host checks of "every row has stopped"
-
-
-def _decode_loop(model, logits, next_pos, cache, max_new_tokens, temperature, top_k, top_p, stop_at_eos,
-                 generator, decode, stream=None) -> tuple[list[list[int]], int]:
-    """Sample, append, repeat: new token ids per row (cut at the first EOS) and the steps taken.
-
-    Sampling and the stop test stay on the device; the host asks whether every row has stopped
-    only every `STOP_CHECK_EVERY` steps (a few steps may run past the last EOS and are cut), or
-    at every step when `stream` needs each token as it comes. The steps reported end at the step
-    where the last row stopped, as if checked every step.
-    """
-    B = logits.shape[0]
-    eos = torch.tensor(eos_ids(model), dtype=torch.long, device=model.device)
-    stops = stop_at_eos and eos.numel() > 0
-    done = torch.zeros(B, dtype=torch.bool, device=model.device)
-    out = []
-    for step in range(max_new_tokens):
-        tok = sample(logits, temperature, top_k, top_p, generator)  # (B,)
-        out.append(tok)
-        was_done = done.clone() if stream is not None else None
-        if stops:
-            done |= torch.isin(tok, eos)
-        if stream is not None and stream([None if d else t for t, d in zip(tok.tolist(), (was_done | done).tolist())]):
-            break  # the caller asked to stop (a stop string appeared, its client went away)
-        checked = stream is not None or (step + 1) % STOP_CHECK_EVERY == 0
-        if stops and checked and bool(done.all()):
-            break
-        if step == max_new_tokens - 1:
-            break
-        logits = decode(model, tok[:, None], next_pos + step, cache)
-    rows = torch.stack(out, 1).tolist()  # (B, steps)
-    if not stops:
-        return rows, len(out)
-    ends = set(eos.tolist())
-    cuts = [next((j for j, t in enumerate(row) if t in ends), None) for row in rows]
-    steps = len(out) if None in cuts else max(cuts) + 1  # where the last row stopped
-    return [row if cut is None else row[:cut] for row, cut in zip(rows, cuts)], steps
-
-
 @torch.inference_mode()
 def generate_states(model, states, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
                     top_p: float | None = None, stop_at_eos: bool = True, compile=True,
@@ -319,11 +246,10 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
         logits = model.extend(torch.tensor([asked], device=model.device).expand(rows, -1), positions, cache)
         next_pos = positions[:, -1:] + 1
     backend = "inductor" if compile is True else compile
-    decode = compiled_decode(backend) if backend else _decode
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
     t1 = time.perf_counter()
-    ids, steps = _decode_loop(model, logits, next_pos, cache, max_new_tokens, temperature, top_k, top_p,
-                              stop_at_eos, generator, decode)
+    rows = Decoding(model, cache, logits, next_pos, step_function(backend))
+    ids, steps = decode_tokens(rows, max_new_tokens, temperature, top_k, top_p, stop_at_eos, generator)
     sync(model.device)
     decode_s = time.perf_counter() - t1
     results, row = [], 0
@@ -407,24 +333,13 @@ def _chat_prompt(model, prompt, messages, state) -> list[int]:
     return chat.continuation(model.tokenizer, history, list(messages[len(history):]))
 
 
-def _backends(model, compile, max_new_tokens) -> tuple:
-    """(prefill backend, decode backend) for `generate`'s `compile` argument; None = eager.
-    "auto" runs the prefill eager and compiles the decode step only when it pays
-    (`structkv.util.compiling`)."""
-    if compile == "auto":
-        return None, ("inductor" if should_compile_decode(model, max_new_tokens) else None)
-    backend = "inductor" if compile is True else (compile or None)
-    return backend, backend
-
-
 def _full_prefill(model, tokens, positions, max_new_tokens, backend, decode_backend, limit):
     """Uncompressed prefill into a static cache (compiled with a dynamic prompt length)."""
     B, S = tokens.shape
     capacity = round_capacity(S + max_new_tokens)
     cache = StaticKVCache(model.config, B, capacity, model.dtype, model.device, model.kv_dtype)
     if S == 1:  # a one-token prompt is a decode step (keeps the prefill graph dynamic, min length 2)
-        decode = compiled_decode(decode_backend) if decode_backend else _decode
-        return cache, decode(model, tokens, positions, cache)
+        return cache, step_function(decode_backend)(model, tokens, positions, cache)
     if backend:
         torch._dynamo.mark_dynamic(tokens, 1, min=2, max=limit)
         torch._dynamo.mark_dynamic(positions, 1, min=2, max=limit)

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.kv_cache import StackedKVCache
-from ..runtime.generation import Started, _decode, compiled_decode, eos_ids, sample
+from ..runtime.decoding import Decoding, eos_ids, sample, step_function
+from ..runtime.generation import Started
 
 
 @dataclass
@@ -79,15 +80,18 @@ class Batch:
 
     def __init__(self, model, compile: str | None = None):
         self.model = model
-        self.decode = compiled_decode(compile) if compile else _decode
+        self.step_fn = step_function(compile)
         self.rows: list[Row] = []
-        self.cache = None  # StackedKVCache of the rows fed at the last step (None: none yet)
-        self.logits = None  # (R, V) every row's next-token logits
-        self.positions = None  # (R, 1) every row's next position
+        self.running: Decoding | None = None  # the rows fed at the last step: stacked cache, logits, positions
         self.joining: list[Row] = []  # rows added since the last step: their own caches, not stacked yet
         cfg = model.config
         self.windows = [cfg.window(i) for i in range(cfg.num_layers)]
         self.eos = set(eos_ids(model))
+
+    @property
+    def cache(self):
+        """The StackedKVCache of the rows fed at the last step (None: none yet)."""
+        return self.running.cache if self.running is not None else None
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.joining)
@@ -103,17 +107,17 @@ class Batch:
             return []
         for r in rows:
             r.peers = max(r.peers, len(rows))
-        logits = torch.cat([x for x in (self.logits, *(r.started.logits for r in self.joining)) if x is not None])
+        fed = self.running.logits if self.running is not None else None
+        logits = torch.cat([x for x in (fed, *(r.started.logits for r in self.joining)) if x is not None])
         tokens = torch.cat([sample(logits[i:i + 1], r.temperature, None, r.top_p, r.generator)
                             for i, r in enumerate(rows)])  # (R,)
         ended = [r.take(t, self.eos) for r, t in zip(rows, tokens.tolist())]
         keep = [i for i, e in enumerate(ended) if not e]
         if keep:
             self._restack(keep)
-            self.logits = self.decode(self.model, tokens[keep][:, None], self.positions, self.cache)
-            self.positions = self.positions + 1
+            self.running.feed(tokens[keep])
         else:
-            self.cache = self.logits = self.positions = None
+            self.running = None
         self.rows, self.joining = [rows[i] for i in keep], []
         return [r for r, e in zip(rows, ended) if e]
 
@@ -122,7 +126,7 @@ class Batch:
         rows = self.rows + self.joining
         for r in rows:
             r.finish = r.finish or "stop"
-        self.rows, self.joining, self.cache, self.logits, self.positions = [], [], None, None, None
+        self.rows, self.joining, self.running = [], [], None
         return rows
 
     def _restack(self, keep: list[int]) -> None:
@@ -134,8 +138,8 @@ class Batch:
         kept_running = [i for i in keep if i < running]
         parts, positions = [], []
         if kept_running:
-            parts.append(self.cache.take_rows(kept_running))
-            positions.append(self.positions[kept_running])
+            parts.append(self.running.cache.take_rows(kept_running))
+            positions.append(self.running.positions[kept_running])
         for i in keep:
             if i >= running:
                 started = self.joining[i - running].started
@@ -143,5 +147,5 @@ class Batch:
                 positions.append(started.next_pos)
         rows = self.rows + self.joining
         room = max(rows[i].remaining for i in keep) + 1  # every row's tokens still to feed fit
-        self.cache = StackedKVCache(parts, room=room, windows=self.windows)
-        self.positions = torch.cat(positions)  # (R, 1)
+        cache = StackedKVCache(parts, room=room, windows=self.windows)
+        self.running = Decoding(self.model, cache, None, torch.cat(positions), self.step_fn)  # positions (R, 1)

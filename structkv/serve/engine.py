@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from ..methods import CONTEXT_DEFAULT, Budget, build, context_archive, has_struct_budget, names
 from ..models.archive import ArchiveError, check_kind
 from ..runtime.compress import prefill
-from ..runtime.generation import _backends, start
+from ..runtime.decoding import backends
+from ..runtime.generation import start
 from ..runtime.state_file import load_state, save_state
 from ..text import chat
 from ..text.detokenize import StopText
@@ -295,7 +296,7 @@ class Engine:
         compressed), as a batch row that streams its text to the job's client."""
         t0 = time.perf_counter()
         run = _Run(job, StopText(self.model.tokenizer, job.req.stop), queue_s=t0 - job.arrived)
-        prefill_backend, step_backend = _backends(self.model, self.settings.compile, job.max_new)
+        prefill_backend, step_backend = backends(self.model, self.settings.compile, job.max_new)
         backend = dict(max_new_tokens=job.max_new, backend=prefill_backend, decode_backend=step_backend)
         if job.prefix is not None:
             need = len(job.rest) + job.max_new

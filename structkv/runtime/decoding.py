@@ -1,0 +1,126 @@
+"""The decode loop: one token per row through a cache, for one row or many.
+
+Every generation ends here: `generate` (one prompt or a batch), `generate_states` (many
+compressed states stacked) and the server's continuous batch (`structkv.serve.batcher`, rows
+joining and leaving between steps). `Decoding` holds what a step needs (the cache, each row's
+next-token logits and next position) and `feed` is the step; `decode_tokens` is the loop for rows
+that start and sample together, the batcher drives `feed` itself because its rows sample with
+their own settings and come and go.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..util.compiling import compiled_per_model, should_compile_decode
+
+STOP_CHECK_EVERY = 8  # decode steps between host checks of "every row has stopped"
+
+
+def decode_step(model, tokens, positions, cache):
+    """One token per row (R, 1) at `positions` (R, 1) into `cache`; the next logits (R, V)."""
+    return model.decode_step(tokens, positions, cache)
+
+
+def compiled_decode(backend="inductor"):
+    """The decode step, compiled once per model structure and cache shape (without dynamo's
+    per-step checks of every module and weight: `structkv.util.compiling.compiled_per_model`)."""
+    return compiled_per_model(decode_step, backend, fullgraph=True, dynamic=False)
+
+
+def step_function(backend=None):
+    """The decode step for `backend` (a torch.compile backend, or None: eager)."""
+    return compiled_decode(backend) if backend else decode_step
+
+
+def backends(model, compile, max_new_tokens) -> tuple:
+    """(prefill backend, decode backend) for `generate`'s `compile` argument; None = eager.
+    "auto" runs the prefill eager and compiles the decode step only when it pays
+    (`structkv.util.compiling`)."""
+    if compile == "auto":
+        return None, ("inductor" if should_compile_decode(model, max_new_tokens) else None)
+    backend = "inductor" if compile is True else (compile or None)
+    return backend, backend
+
+
+def eos_ids(model) -> tuple[int, ...]:
+    """The token ids that end a generation: the config's, else the tokenizer's."""
+    return tuple(model.config.eos_token_ids or (model.tokenizer.eos_ids if model.tokenizer is not None else ()))
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+           generator: torch.Generator | None) -> torch.Tensor:
+    """Next token per row from logits (B, V): greedy at temperature 0, else top-k / nucleus sampling."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest set reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@dataclass
+class Decoding:
+    """Rows decoding together: the cache they write into, each row's next-token logits (R, V)
+    and next position (R, 1). `feed(tokens)` is one decode step for all of them."""
+
+    model: object
+    cache: object
+    logits: torch.Tensor | None
+    positions: torch.Tensor
+    step: object = decode_step  # `step_function(backend)`
+
+    def feed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (R,) at the rows' next positions; the next logits (R, V)."""
+        self.logits = self.step(self.model, tokens[:, None], self.positions, self.cache)
+        self.positions = self.positions + 1
+        return self.logits
+
+
+def decode_tokens(rows: Decoding, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+                  top_p: float | None = None, stop_at_eos: bool = True, generator=None,
+                  stream=None) -> tuple[list[list[int]], int]:
+    """Sample, feed, repeat: new token ids per row (cut at the first EOS) and the steps taken.
+
+    Sampling and the stop test stay on the device; the host asks whether every row has stopped
+    only every `STOP_CHECK_EVERY` steps (a few steps may run past the last EOS and are cut), or
+    at every step when `stream` needs each token as it comes (`stream(tokens)` gets each row's new
+    id, None for a row that has stopped; returning True stops). The steps reported end at the
+    step where the last row stopped, as if checked every step.
+    """
+    model = rows.model
+    B = rows.logits.shape[0]
+    eos = torch.tensor(eos_ids(model), dtype=torch.long, device=model.device)
+    stops = stop_at_eos and eos.numel() > 0
+    done = torch.zeros(B, dtype=torch.bool, device=model.device)
+    out = []
+    for step in range(max_new_tokens):
+        tok = sample(rows.logits, temperature, top_k, top_p, generator)  # (B,)
+        out.append(tok)
+        was_done = done.clone() if stream is not None else None
+        if stops:
+            done |= torch.isin(tok, eos)
+        if stream is not None and stream([None if d else t for t, d in zip(tok.tolist(), (was_done | done).tolist())]):
+            break  # the caller asked to stop (a stop string appeared, its client went away)
+        checked = stream is not None or (step + 1) % STOP_CHECK_EVERY == 0
+        if stops and checked and bool(done.all()):
+            break
+        if step == max_new_tokens - 1:
+            break
+        rows.feed(tok)
+    ids = torch.stack(out, 1).tolist()  # (B, steps)
+    if not stops:
+        return ids, len(out)
+    ends = set(eos.tolist())
+    cuts = [next((j for j, t in enumerate(row) if t in ends), None) for row in ids]
+    steps = len(out) if None in cuts else max(cuts) + 1  # where the last row stopped
+    return [row if cut is None else row[:cut] for row, cut in zip(ids, cuts)], steps
