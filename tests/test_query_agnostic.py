@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import structkv
 from structkv import methods
-from structkv.modules.reconstruction import reconstruction_scores
+from structkv.methods.kvzip import reconstruction_scores
 from structkv.runtime.compress import compress, compress_shared
 from structkv.text.prompts import encode_batch
 
@@ -54,7 +54,7 @@ def test_reconstruction_scores_equal_a_plain_forward(model, chunk):
     _, kv = model.prompt_pass(tokens, positions)
     for i in model.config.full_attention_layers:
         held[i] = (kv[i][0], kv[i][1], positions)
-    from structkv.modules.retention import _row
+    from structkv.methods.kvzip import _row
     rings = {i: _row(layer, 0, len(prompt) + chunk) for i, layer in enumerate(cache.layers) if i not in held}
     scores, run, _ = reconstruction_scores(model, held, rings, tokens[0], prompt, chunk)
     assert run == len(ids) + math.ceil(len(ids) / chunk) * len(prompt)
@@ -135,7 +135,7 @@ def test_query_agnostic_methods_share_the_full_prefill(model):
 def test_kvzip_budgets_of_one_lane_reconstruct_once(model, monkeypatch):
     """Two KVzip budgets see the same context and K/V: one reconstruction serves both, each
     state equal to its method alone and charged the reconstruction in full."""
-    import structkv.modules.reconstruction as rec
+    import structkv.methods.kvzip as rec
 
     calls, real = [], rec.reconstruction_scores
     monkeypatch.setattr(rec, "reconstruction_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -322,14 +322,14 @@ def test_novelty_needs_a_fixed_pivot():
 def test_local_reconstruction_scores_softmax_over_the_chunks_own_span(model):
     """kvpress's scoring (`local`): each chunk's softmax runs over the first 4 tokens, the chunk's own
     span of the context and the repeat itself; entries outside the span get nothing from it."""
-    from structkv.modules.reconstruction import LOCAL_SINKS
+    from structkv.methods.kvzip import LOCAL_SINKS
 
     ids, prompt, chunk = _ids(40, 3), [5, 9, 11], 16
     tokens, positions, _ = encode_batch(model, [ids])
     _, kv = model.prompt_pass(tokens, positions)
     full = compress(model, tokens, positions, methods.get("full"), room=0)
     held = {i: (kv[i][0], kv[i][1], positions) for i in model.config.full_attention_layers}
-    from structkv.modules.retention import _row
+    from structkv.methods.kvzip import _row
     rings = {i: _row(layer, 0, len(prompt) + chunk) for i, layer in enumerate(full.cache.layers) if i not in held}
     scores, _, _ = reconstruction_scores(model, held, rings, tokens[0], prompt, chunk, local=True)
     n, cfg = len(ids), model.config
@@ -352,7 +352,7 @@ def test_local_reconstruction_scores_softmax_over_the_chunks_own_span(model):
 
 
 def test_kvzip_kvpress_keeps_its_sinks_and_asks_as_the_assistant(tiny_dir):
-    from structkv.modules.retention import _reconstruction_prompt
+    from structkv.methods.kvzip import _reconstruction_prompt
     from structkv.text import chat
 
     model = structkv.load(tiny_dir("llama"))

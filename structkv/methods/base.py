@@ -153,3 +153,10 @@ class Method:
 
     def describe(self) -> dict:
         return {"method": self.name, **dataclasses.asdict(self)}
+
+
+@dataclass
+class Full(Method):
+    """No compression: the reference every method is measured against."""
+
+    name = "full"

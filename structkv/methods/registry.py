@@ -5,21 +5,16 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..modules.budget import Budget
-from ..modules.reconstruction import KVPRESS_PROMPT
-from .base import Method
-from .variants import (
-    H2O,
-    ExpectedAttention,
-    FastKV,
-    Full,
-    GemFilter,
-    KeyDiff,
-    KVzip,
-    PyramidKV,
-    SnapKV,
-    StreamingLLM,
-    StructKV,
-)
+from .base import Full, Method
+from .expected_attention import ExpectedAttention
+from .fastkv import FastKV
+from .gemfilter import GemFilter
+from .h2o import H2O
+from .keydiff import KeyDiff
+from .kvzip import KVPRESS_PROMPT, KVzip
+from .snapkv import PyramidKV, SnapKV
+from .streaming_llm import StreamingLLM
+from .structkv import StructKV
 
 
 @dataclass(frozen=True)

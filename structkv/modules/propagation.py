@@ -8,8 +8,9 @@ kept tokens: that is the prefill saving. Three rules ship:
   window saliency;
 - `StructKVCompressor` (`structkv.modules.compressor`): at each row's detected pivot, the top
   tokens by centrality accumulated over the layers before it;
-- `RestartPropagation` (GemFilter): at one layer, the top tokens by the last query's logits,
-  re-encoded from layer 0 with renumbered positions (`restart = True`).
+- GemFilter's (`structkv.methods.gemfilter`): at one layer, the top tokens by the last query's
+  logits, re-encoded from layer 0 with renumbered positions (`restart = True`: the loop runs
+  `restart_prompt` through the whole model instead of going on).
 """
 from __future__ import annotations
 
@@ -50,6 +51,12 @@ class Propagation(nn.Module):
         """Kept token indices (B, K) when this layer propagates, else None."""
         return None
 
+    def restart_prompt(self, tokens: torch.Tensor, view, kept: torch.Tensor) -> tuple:
+        """For a propagation with `restart = True`: the prompt the loop re-encodes uncompressed
+        from layer 0 instead of going on, as (token ids (B, K), positions (B, K), prompt columns
+        (B, K), -1 = pad), from the prompt's ids (B, S), the layer's view and the kept indices."""
+        raise NotImplementedError(f"{type(self).__name__} sets restart but gives no restart_prompt")
+
     def guide(self) -> torch.Tensor | None:
         """Scores (B, Hg, N) on prompt columns that may steer every layer's KV retention once
         every row propagated (`GuidedRetention`); None: no guide."""
@@ -77,24 +84,5 @@ class FixedLayerPropagation(Propagation):
             return None
         saliency = view.window_scores(self.window)
         score = pooled_saliency(saliency, self.window, self.kernel, self.pooling).sum(1)  # (B, n)
-        self.pivots = [self.layer] * len(self.keep)
-        return self.pruner.select(score, view.valid, self.keep, view.lengths)
-
-
-class RestartPropagation(Propagation):
-    """At `layer`, keep per row `keep[b]` tokens by the last query's raw logits (avg-pooled, shared
-    by heads); the kept tokens are re-encoded by the whole model with positions 0..K-1 (GemFilter)."""
-
-    restart = True
-
-    def __init__(self, layer: int, keep: list[int], kernel: int):
-        super().__init__(len(keep), 0, positions="compact")
-        self.layer, self.keep, self.kernel = layer, keep, kernel
-        self.host_syncs = 1  # the re-encode is a new prefill: it reads its row lengths once
-
-    def after_layer(self, view) -> torch.Tensor | None:
-        if view.layer != self.layer:
-            return None
-        score = view.last_query_logits(self.kernel)
         self.pivots = [self.layer] * len(self.keep)
         return self.pruner.select(score, view.valid, self.keep, view.lengths)

@@ -23,7 +23,11 @@ from .selection import select_tokens
 
 class Retention:
     """Select and store each planned layer's entries at once. Args: the method, its plan
-    {layer: keep per row} and the cache it fills."""
+    {layer: keep per row} and the cache it fills. `extra_pass`: a retention that runs the model
+    over the prompt again to score it (KVzip, `structkv.methods.kvzip`) reports that pass here
+    ({"tokens", "seconds"}): the prefill counts it as its own work."""
+
+    extra_pass: dict | None = None
 
     def __init__(self, method, plan: dict, cache):
         self.method, self.plan, self.cache = method, plan, cache
@@ -102,141 +106,3 @@ class GuidedRetention(Retention):
         ranked = ranked_columns(held.valid, self.method.window)  # (B, n)
         g = self.guide.gather(2, held.columns[:, None].expand(-1, self.guide.shape[1], -1))  # (B, Hg, n)
         return share_of(held.scores, ranked) + self.beta * share_of(g, ranked)
-
-
-class ReconstructionRetention(Retention):
-    """KVzip's retention: every planned layer's entries are held through the prefill, then scored
-    by context reconstruction (`structkv.modules.reconstruction`) and selected at once. Extra
-    memory during the prefill only (the final cache has the planned size); the reconstruction
-    costs about one more prefill, reported as `reconstruction` (tokens run, seconds)."""
-
-    def __init__(self, method, plan: dict, cache):
-        super().__init__(method, plan, cache)
-        self.held: list[_Held] = []
-        self.reconstruction = None
-
-    def layer(self, view) -> None:
-        if view.layer in self.plan:
-            self.held.append(_Held(view, None))
-            return
-        super().layer(view)
-
-    def finish(self, model=None, tokens=None, memo: dict | None = None) -> None:
-        if not self.held:
-            return
-        if model is None:
-            raise ValueError("kvzip scores its entries by running the model again: the prefill loop passes it")
-        m = self.method
-        key = ("reconstruction", m.prompt, m.chunk, m.chat_turn, m.local, m.continued, m.sinks)
-        memo = {} if memo is None else memo
-        if key not in memo:  # the same context and K/V for every method of the lane: run it once
-            memo[key] = self._score(model, tokens)
-        scores, run, seconds = memo[key]
-        if m.budget == "global":
-            self._store_global(scores, getattr(model, "tp", None))
-        else:
-            for held in self.held:
-                held.scores = self.method.heads(scores[held.layer])
-                self._store(held)
-        self.held = []
-        self.reconstruction = {"tokens": run, "seconds": seconds}
-
-    def _store_global(self, scores: dict, tp=None) -> None:
-        """kvpress's allocation: one threshold per row over every held layer and KV head, so the
-        layers' and heads' shares follow their scores; the total kept is the per-layer plan's. A
-        layer whose heads now keep more than its plan gets a larger cache layer (same room). Under
-        tensor parallelism the threshold is taken over every rank's heads (the same on all ranks)."""
-        from ..models.kv_cache import LayerKVCache, round_capacity
-
-        first = self.held[0]
-        B, H = first.k.shape[:2]
-        ranked = {}
-        for held in self.held:  # the window always stays, as in every selection
-            sc = scores[held.layer].clone()
-            n = sc.shape[-1]
-            sc[..., n - self.method.window:] = 3.0
-            ranked[held.layer] = sc.masked_fill(~held.valid[:, None], float("-inf"))  # (B, Hkv, n)
-        every = {i: tp.gather_heads(x) if tp is not None else x for i, x in ranked.items()}  # (B, all Hkv, n)
-        for b in range(B):
-            total = sum(self.plan[h.layer][b] for h in self.held) * every[first.layer].shape[1]
-            pool = torch.cat([every[h.layer][b].flatten() for h in self.held])
-            cut = pool.topk(min(total, pool.numel())).values[-1]
-            for h in self.held:
-                ranked[h.layer][b] = torch.where(ranked[h.layer][b] >= cut, ranked[h.layer][b], float("-inf"))
-                every[h.layer][b] = torch.where(every[h.layer][b] >= cut, every[h.layer][b], float("-inf"))
-        for held in self.held:
-            keep = ranked[held.layer] > float("-inf")  # (B, Hkv, n)
-            M = int((every[held.layer] > float("-inf")).sum(-1).max())  # over every rank's heads: one layout
-            order = keep.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :M]
-            idx = torch.where(keep.gather(2, order), order, torch.full_like(order, -1)).sort(-1).values  # -1 first
-            old = self.cache.layers[held.layer]
-            room = old.capacity - max(self.plan[held.layer])
-            if M + room > old.capacity:
-                self.cache.layers[held.layer] = LayerKVCache(B, H, round_capacity(M + room), old.head_dim, old.k.dtype,
-                                                             old.pos.device, kv_dtype=old.kv_dtype)
-            with held.timer.phase("cache_fill"):
-                self.cache.fill(held.layer, held.k, held.v, held.positions, idx, check=False)
-
-    def _score(self, model, tokens: torch.Tensor):
-        """Scores (B, Hkv, n) per held layer, one row at a time (each row's own context, unpadded)."""
-        from .reconstruction import reconstruction_scores
-
-        prompt_ids, head = _reconstruction_prompt(model.tokenizer, self.method)
-        first = self.held[0]
-        out = {h.layer: torch.zeros(h.k.shape[:3], device=h.k.device) for h in self.held}  # (B, Hkv, n)
-        run = seconds = 0
-        room = max(len(prompt_ids(i, [0] * self.method.chunk)) for i in (0, 1)) + self.method.chunk
-        for b in range(first.valid.shape[0]):
-            cols = first.valid[b].nonzero()[:, 0]  # this row's tokens (no propagation: the same at every layer)
-            held = {h.layer: (h.k[b:b + 1, :, cols], h.v[b:b + 1, :, cols], h.positions[b:b + 1, cols])
-                    for h in self.held}
-            row = tokens[b, first.columns[b, cols]]
-            rings = {i: _row(layer, b, room) for i, layer in enumerate(self.cache.layers) if i not in held}
-            start_at = len(head) if head and row[:len(head)].tolist() == head else 0  # the head: not repeated
-            scores, r, s = reconstruction_scores(model, held, rings, row, prompt_ids, self.method.chunk,
-                                                 local=self.method.local, start_at=start_at)
-            for i, sc in scores.items():
-                sc[..., :self.method.sinks] = 2.0  # above any probability: the first tokens always stay
-                out[i][b:b + 1, :, cols] = sc
-            run, seconds = run + r, seconds + s
-        return out, run, seconds
-
-
-def _row(layer, b: int, room: int):
-    """A one-row copy of a cache layer with `room` free slots after its entries (a ring stays its
-    window): the reconstruction writes a chunk into it, then restores it."""
-    from ..models.kv_cache import LayerKVCache
-
-    used = layer.capacity if layer.window is not None else int(layer.cursor)
-    out = LayerKVCache(1, layer.k.shape[1], used + room, layer.head_dim, layer.k.dtype, layer.k.device,
-                       window=layer.window, kv_dtype=layer.kv_dtype)
-    for name in (*layer.planes, "pos"):
-        getattr(out, name)[:, :, :used] = getattr(layer, name)[b:b + 1, :, :used]
-    out.cursor.copy_(layer.cursor)
-    return out
-
-
-def _reconstruction_prompt(tokenizer, method):
-    """(chunk number, previous chunk's ids) -> the ids before a chunk, and the chat template's head
-    ids (what a context inside a user turn starts with; [] when the prompt is not a chat turn).
-
-    `chat_turn`: the prompt closes the user turn and opens the assistant's (the template's tail)
-    before the repeated chunk, so the repetition is the assistant's answer, as kvpress does for
-    models with a template; `continued`: chunks after the first are asked to repeat "starting
-    with" the previous chunk's last tokens (kvpress's prompt)."""
-    from ..text import chat
-    from .reconstruction import CONTINUE_TOKENS, KVPRESS_CONTINUE
-
-    if tokenizer is None:
-        return (lambda i, prev: []), []
-    base = tokenizer.encode(method.prompt, add_bos=False)
-    head, tail = [], []
-    if method.chat_turn and getattr(tokenizer, "chat_template", None):
-        head, tail = chat.frame(tokenizer)
-    again = tokenizer.encode(KVPRESS_CONTINUE, add_bos=False) if method.continued else base
-
-    def prompt(i: int, previous: list[int]) -> list[int]:
-        if i == 0 or not method.continued:
-            return base + tail
-        return again + previous[-CONTINUE_TOKENS:] + tail
-    return prompt, head

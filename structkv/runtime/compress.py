@@ -7,14 +7,16 @@ propagation decide whether only some tokens go on. Deeper layers then compute on
 the prefill saving, reported as the fraction of token-layers computed.
 
 Many methods share one pass. Methods with equal `prefill_key` form a lane: they compute the same
-hidden states (full, StreamingLLM, SnapKV, PyramidKV, H2O at any budgets; FastKV or StructKV at
-several KV budgets) and differ only in what each layer's cache keeps. All lanes ride one stream
-until a lane propagates (FastKV's TSP layer, StructKV's pivot) and forks off with its own
-tokens; the stream goes on as that fork when no lane is left on it, otherwise the fork runs from
-the next layer after it. GemFilter's propagation restarts instead: the engine re-encodes the kept
-tokens (renumbered) with the full cache. Scores are computed once per stream and layer
+hidden states (every method that keeps all tokens to the last layer, at any budgets; one
+propagating method at several KV budgets) and differ only in what each layer's cache keeps. All
+lanes ride one stream until a lane propagates and forks off with its own tokens; the stream goes
+on as that fork when no lane is left on it, otherwise the fork runs from the next layer after it.
+A propagation may restart instead (`Propagation.restart_prompt`): the engine re-encodes the
+prompt it gives with the full cache. Per layer every lane runs one sequence (`layer_steps`), and
+the ledger's account times it from outside. Scores are computed once per stream and layer
 (`LayerView` memoises them). `compress(model, ..., method)` is this engine with one method;
-calibration (`structkv.runtime.calibration`) is this engine with an observer.
+calibration (`structkv.runtime.calibration`) is this engine with an observer. The loop names no
+method: what a method does lives in its file under `structkv.methods`.
 
 Every token carries its original position (left padding = -1), so a kept subset attends exactly
 as it would in the full prompt. Hybrid models (Gemma 3): only full-attention layers are planned or
@@ -27,6 +29,7 @@ the whole pass and the time no phase accounts for (`untimed_s`, charged to every
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -119,13 +122,11 @@ class MethodPass:
     def layer(self, view) -> torch.Tensor | None:
         """Store layer `view.layer`'s entries, let the propagation see it; the kept token indices
         (B, K) when it propagates here (gather the hidden states with `prop.pruner.gather`)."""
-        self.store.layer(view)
-        kept = self.prop(view) if self.prop is not None else None
-        self.store.after_propagation(self.prop)
-        return kept
+        return layer_steps([self], self.prop, view)
 
     def finish(self, model=None, tokens=None) -> None:
-        """After the last layer: entries held for later are chosen now (StructKV's guide, KVzip)."""
+        """After the last layer: entries a retention held for later are chosen now (a guide that
+        never came, scores that need the whole prompt)."""
         self.store.finish(model, tokens)
 
 
@@ -196,6 +197,86 @@ class Ledger:
             self.timer.totals[phase] += seconds
         for t in targets:
             t.other_s += seconds
+
+
+def layer_steps(members, prop, view, account=None) -> torch.Tensor | None:
+    """The per-layer sequence of every prefill, for the methods of one lane (they compute the same
+    tokens): each method's store keeps the layer's entries, the propagation sees the layer, each
+    store then sees the propagation (a guided retention selects its held layers once a guide
+    exists). Returns the kept token indices (B, K) when the propagation fires here. `members`:
+    objects with a `store` (a `Retention`, or None when the propagation restarts); `account`: what
+    times each step (the shared pass's `_LaneAccount`), None: untimed."""
+    account = account or UNTIMED
+    for m in members:
+        with account.store(m, view):
+            if m.store is not None:
+                m.store.layer(view)
+    if prop is None:
+        return None
+    with account.propagation(members, prop):
+        kept = prop.after_layer(view)
+    if not prop.restart:
+        for m in members:
+            if m.store is not None:
+                with account.selection(m):
+                    m.store.after_propagation(prop)
+    return kept
+
+
+class _Untimed:
+    """The account of a prefill that times nothing (`MethodPass.layer` in a decoder of your own)."""
+
+    @contextmanager
+    def store(self, member, view):
+        yield
+
+    @contextmanager
+    def propagation(self, members, prop):
+        yield
+
+    @contextmanager
+    def selection(self, member):
+        yield
+
+
+UNTIMED = _Untimed()
+
+
+class _LaneAccount:
+    """Charges one lane's layer to each of its methods (what it would have cost alone): its own
+    selection, cache fill and scores, and the propagation's time and statistics in full to every
+    method riding it. `shared`: score keys the lane computed for the propagation (counted for all)."""
+
+    def __init__(self, timer: Timer, shared: set):
+        self.timer, self.shared = timer, shared
+
+    @contextmanager
+    def store(self, target, view):
+        view.used = set()
+        if target.store is None:
+            yield
+        else:
+            filled = self.timer.totals["cache_fill"]
+            with self.timer.phase("selection") as span:
+                yield
+            target.own.totals["selection"] += span.seconds
+            target.own.totals["cache_fill"] += self.timer.totals["cache_fill"] - filled
+        target.own.totals["scoring"] += view.seconds(view.used | self.shared)
+
+    @contextmanager
+    def propagation(self, targets, prop):
+        before = prop.scoring_s
+        with self.timer.phase("propagation") as span:
+            yield
+        for target in targets:
+            target.own.totals["scoring"] += prop.scoring_s - before
+            target.own.totals["propagation"] += span.seconds
+
+    @contextmanager
+    def selection(self, target):
+        with self.timer.phase("selection") as span:
+            yield
+        target.own.totals["selection"] += span.seconds
 
 
 def plan_method(model, method: Method, lengths, num_tokens: int, room: int, archive: str | None = None) -> _Target:
@@ -337,53 +418,31 @@ def _targets(lanes: list[_Lane]) -> list[_Target]:
 
 
 def _layer(model, tokens, lane: _Lane, view, lengths, room, compile, ledger: Ledger):
-    """One layer of one lane: each method's cache, then the lane's propagation; the kept token
-    indices (B, K) when the lane propagates here (a restart finishes the lane instead)."""
-    timer = ledger.timer
+    """One layer of one lane, timed by the ledger; the kept token indices (B, K) when the lane
+    propagates here (a restart finishes the lane instead)."""
     lane.processed.append(sum(view.lengths))
     window = lane.prop.window_needed(view.layer) if lane.prop is not None else None
-    lane_keys = {("window", window)} if window else set()
     if window:
         view.window_scores(window)
-    for target in lane.targets:
-        view.used = set()
-        if target.store is not None:
-            filled = timer.totals["cache_fill"]
-            with timer.phase("selection") as span:
-                target.store.layer(view)
-            target.own.totals["selection"] += span.seconds
-            target.own.totals["cache_fill"] += timer.totals["cache_fill"] - filled
-        target.own.totals["scoring"] += view.seconds(view.used | lane_keys)
-    if lane.prop is None:
-        return None
-    before = lane.prop.scoring_s
-    with timer.phase("propagation") as span:
-        kept = lane.prop.after_layer(view)
-    for target in lane.targets:
-        target.own.totals["scoring"] += lane.prop.scoring_s - before
-        target.own.totals["propagation"] += span.seconds
-        if target.store is not None and not lane.prop.restart:
-            with timer.phase("selection") as sel:
-                target.store.after_propagation(lane.prop)  # a guided retention may select held layers now
-            target.own.totals["selection"] += sel.seconds
-    if kept is not None and lane.prop.restart:  # GemFilter: its own key, so one target
-        (target,) = lane.targets
-        with timer.phase("restart") as span:
-            target.state = restart(model, tokens, view, kept, lane.prop, room, compile)
-            target.state.method, target.state.lengths = target.method, lengths.tolist()
-        ledger.charge([target], span.seconds)
-        lane.processed += target.state.stats.tokens_per_layer
-        lane.done = True
+    account = _LaneAccount(ledger.timer, {("window", window)} if window else set())
+    kept = layer_steps(lane.targets, lane.prop, view, account)
+    if kept is not None and lane.prop.restart:
+        _restart(model, tokens, lane, view, kept, lengths, room, compile, ledger)
     return kept
 
 
-def restart(model, tokens, view, kept, prop, room, compile) -> CompressedState:
-    """GemFilter: the kept tokens, renumbered 0..K-1, re-encoded by the whole model (uncompressed)."""
-    new_cols, new_pos = prop.pruner.gather(kept, view.columns, positions=view.positions)  # compact positions
-    new_tokens = torch.where(kept >= 0, tokens.gather(1, new_cols), torch.zeros_like(new_cols))
-    rerun = compress(model, new_tokens, new_pos, Full(), room, compile)
-    rerun.kept_columns = torch.where(kept >= 0, new_cols, torch.full_like(kept, -1))
-    return rerun
+def _restart(model, tokens, lane: _Lane, view, kept, lengths, room, compile, ledger: Ledger) -> None:
+    """A propagation that restarts: the prompt it gives (`restart_prompt`) re-encoded uncompressed
+    from layer 0 is the lane's state. Such a method has a prefill key of its own: one target."""
+    (target,) = lane.targets
+    with ledger.timer.phase("restart") as span:
+        ids, positions, columns = lane.prop.restart_prompt(tokens, view, kept)
+        target.state = compress(model, ids, positions, Full(), room, compile)
+        target.state.kept_columns = columns
+        target.state.method, target.state.lengths = target.method, lengths.tolist()
+    ledger.charge([target], span.seconds)
+    lane.processed += target.state.stats.tokens_per_layer
+    lane.done = True
 
 
 def _finish(model, tokens, stream: Stream, lanes: list[_Lane], lengths, ledger: Ledger) -> None:
@@ -395,11 +454,11 @@ def _finish(model, tokens, stream: Stream, lanes: list[_Lane], lengths, ledger: 
     ledger.charge(_targets(lanes), clock(sync=ledger.timer.enabled) - t, "logits")
     for lane in lanes:
         lane.done = True
-        memo = {}  # one reconstruction for every KVzip budget of the lane
+        memo = {}  # work a store shares with the lane's other methods (same tokens at every layer)
         for target in lane.targets:
-            with ledger.timer.phase("finish") as span:  # KVzip's reconstruction runs here: its own work
+            with ledger.timer.phase("finish") as span:  # a store's own pass over the prompt runs here
                 target.store.finish(model, tokens, memo)
-            extra = getattr(target.store, "reconstruction", None)  # shared in the lane, charged to each in full
+            extra = target.store.extra_pass  # shared in the lane, charged to each in full
             target.own.totals["finish"] += extra["seconds"] if extra else span.seconds
             target.state = CompressedState(target.store.cache, logits, next_positions, lengths.tolist(),
                                            target.method, None, kept, archive=_archive(target.store.cache))
@@ -429,7 +488,7 @@ def _states(model, targets: list[_Target], lanes: list[_Lane], lengths, elapsed:
         for target in lane.targets:
             state = target.state
             alone = target.other_s + target.own.total() + overhead if timer.enabled and len(targets) > 1 else elapsed
-            extra = getattr(target.store, "reconstruction", None)  # KVzip: the context run again
+            extra = target.store.extra_pass if target.store is not None else None  # the context run again
             state.stats = prefill_stats(model, target.method, lengths, processed, state.cache, lane.prop, alone,
                                         _own(target) if timer.enabled else NO_TIMER, extra)
             if len(targets) > 1:
@@ -498,12 +557,13 @@ def _tokenizer(model):
 
 
 def prefill_stats(model, method, lengths, processed, cache, prop, prefill_s: float, timer: Timer,
-                  reconstruction: dict | None = None) -> PrefillStats:
-    """`reconstruction`: tokens and seconds of a reconstruction pass (KVzip), counted at every layer
-    in `tokens_per_layer` and the prefill fraction: it is prefill work."""
+                  extra_pass: dict | None = None) -> PrefillStats:
+    """`extra_pass`: tokens and seconds of a store's second pass over the prompt (`Retention.extra_pass`,
+    a reconstruction), counted at every layer in `tokens_per_layer` and the prefill fraction: it is
+    prefill work."""
     cfg = model.config
-    if reconstruction is not None:
-        processed = [p + reconstruction["tokens"] for p in processed]
+    if extra_pass is not None:
+        processed = [p + extra_pass["tokens"] for p in processed]
     pivots = prop.pivots if prop is not None else [None] * len(lengths)
     kept = cache.nbytes()
     totals = timer.totals if timer.enabled else None
@@ -514,8 +574,8 @@ def prefill_stats(model, method, lengths, processed, cache, prop, prefill_s: flo
         kv_bytes_per_layer=kept, kv_bytes_allocated_per_layer=cache.nbytes(used=False),
         kv_bytes_full_layers=sum(kept[i] for i in cfg.full_attention_layers), prefill_s=prefill_s,
         host_syncs=prop.host_syncs if prop is not None else 0,
-        reconstruction_tokens=reconstruction["tokens"] if reconstruction else None,
-        reconstruction_s=reconstruction["seconds"] if reconstruction else None,
+        reconstruction_tokens=extra_pass["tokens"] if extra_pass else None,
+        reconstruction_s=extra_pass["seconds"] if extra_pass else None,
         scoring_s=totals["scoring"] if totals else None,
         selection_s=totals["selection"] + totals["propagation"] if totals else None,
         cache_fill_s=totals["cache_fill"] if totals else None,
