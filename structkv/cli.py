@@ -439,7 +439,9 @@ def main(argv=None) -> int:
                    help="CPU threads (default: torch's, one per core); 1 holds its speed best on a busy machine")
     g.set_defaults(fn=_generate)
     e = sub.add_parser("eval", help="accuracy of methods on RULER, LongBench or a needle grid (offline, resumable)")
-    e.add_argument("benchmark", choices=["ruler", "longbench", "niah", "fidelity"],
+    from .harness.eval.benchmarks import BENCHMARKS
+
+    e.add_argument("benchmark", choices=list(BENCHMARKS),
                    help="fidelity: KL to the full cache, top-1 agreement and gold NLL on RULER and LongBench prompts "
                         "(docs/evaluation.md)")
     e.add_argument("--model", default="gemma-3-270m", help="alias, HF folder, .gguf file or Hub id")

@@ -238,3 +238,35 @@ def test_many_questions_are_answered_from_one_compressed_state(byte_model_dir, t
     assert main(["eval", "ruler", "--model", str(byte_model_dir), "--out", str(alone), *args, "--separate"]) == 0
     separate = {p["key"]: p["prediction"] for p in _lines(alone / "predictions.jsonl")}
     assert separate == {p["key"]: p["prediction"] for p in preds}
+
+
+def test_a_new_benchmark_is_one_class_and_one_register_line(byte_model_dir, tmp_path, monkeypatch):
+    """The loop names no benchmark: a class in the registry runs end to end through `structkv eval`
+    (choices, samples, scores, files, heading), with no other file touched."""
+    from structkv.harness.eval import benchmarks
+
+    class Echo(benchmarks.Benchmark):
+        """Repeat a word: its prompt ends with it, the answer names it."""
+
+        name = "echo"
+
+        def tasks(self):
+            return ["echo"]
+
+        def samples(self, cfg, tokenizer, tasks, length, wrap, progress):
+            out = []
+            for i in range(cfg.first, cfg.first + self.task_samples(cfg, "echo")):
+                ids = tokenizer.encode("apple " * (length // 8) + f"word {i}: apple. The word is", add_bos=True)
+                out.append({"index": i, "task": "echo", "input_ids": ids, "outputs": ["apple"], "length": len(ids),
+                            "max_new_tokens": 4, "metric": "string_match_all", "length_budget": length})
+            return out
+
+    monkeypatch.setitem(benchmarks.BENCHMARKS, "echo", Echo())
+    out = tmp_path / "echo"
+    assert main(["eval", "echo", "--model", str(byte_model_dir), "--out", str(out), "--methods", "full,snapkv",
+                 "--kv-budget", "0.5", "--lengths", "256", "--samples", "2", "--eager", "--quiet"]) == 0
+    preds = _lines(out / "predictions.jsonl")
+    assert sorted({p["label"] for p in preds}) == ["full", "snapkv@0.5"] and len(preds) == 4
+    assert (out / "summary.md").read_text().startswith("# echo on ")
+    with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
+        benchmarks.get("nope")

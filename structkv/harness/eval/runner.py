@@ -22,10 +22,10 @@ from ...ops.kv_quant import check_kv_dtype
 from ...util.files import write_text_atomic
 from .. import environment, mean, median
 from . import metrics
+from .benchmarks import BENCHMARKS, chat_wrapper
+from .benchmarks import get as get_benchmark
 
-BENCHMARKS = ("ruler", "longbench", "niah", "fidelity")
 # Settings that define what a result means: a folder cannot mix runs that differ in these.
-DEFAULT_SAMPLES = 10  # generated samples per task (RULER, niah) when not given
 IDENTITY = ("benchmark", "model", "seed", "first", "struct_budget", "max_new_tokens", "window", "longbench_full",
             "chat", "chat_every_task", "question_after", "continuation", "weights", "kv_dtype", "archive")
 
@@ -86,8 +86,7 @@ class EvalConfig:
         check_kv_dtype(self.kv_dtype)
 
     def validate(self, model_config=None) -> None:
-        if self.benchmark not in BENCHMARKS:
-            raise ValueError(f"unknown benchmark {self.benchmark!r}; valid: {', '.join(BENCHMARKS)}")
+        bench = get_benchmark(self.benchmark)
         valid = methods_registry.names()
         for name in self.methods:
             if name not in valid:
@@ -109,9 +108,10 @@ class EvalConfig:
                              "--question-after-compression")
         if self.recall and not self.shared:
             raise ValueError("--recall runs in the shared pass; drop --separate")
-        if self.question_after and self.benchmark == "niah":
-            raise ValueError("--question-after-compression supports ruler and longbench; the needle grid's "
-                             "prompts have no separate question")
+        if self.question_after and not bench.question_after:
+            able = " and ".join(n for n, b in BENCHMARKS.items() if b.question_after)
+            raise ValueError(f"--question-after-compression supports {able}; {self.benchmark}'s prompts have no "
+                             "separate question")
         for d in self.depths:
             if not 0 <= d <= 1:
                 raise ValueError(f"needle depths are fractions in [0, 1], got {d}")
@@ -119,58 +119,29 @@ class EvalConfig:
         for t in self.tasks or []:
             if t not in tasks:
                 raise ValueError(f"unknown {self.benchmark} task {t!r}; valid: {', '.join(tasks)}")
-        self._check_data()
+        bench.check_data(self)
         if model_config is not None:
             limit = model_config.max_position_embeddings
             for n in self.lengths:
                 if n > limit:
                     raise ValueError(f"length {n} exceeds the model's {limit} positions; use lengths <= {limit}")
 
-    def _check_data(self) -> None:
-        """A --data folder must hold what the benchmark reads, checked before anything is written."""
-        if self.data_dir is None:
-            return
-        if self.benchmark == "longbench":
-            from .longbench import longbench_dir
-            longbench_dir(self.data_dir)
-            return
-        from .sources import data_dir
-        folder = data_dir(self.data_dir)
-        if not (folder / "ruler").is_dir():
-            raise FileNotFoundError(f"--data {folder} has no ruler/ folder, which {self.benchmark} needs "
-                                    "(PaulGrahamEssays.json, squad.json, hotpotqa.json)")
+    @property
+    def bench(self):
+        """The benchmark this run measures (`structkv.harness.eval.benchmarks`)."""
+        return get_benchmark(self.benchmark)
 
     def task_samples(self, task: str) -> int:
         """Samples the run asks of `task` (per length; niah: per depth): LongBench has only its
         file's records."""
-        from .longbench import TASKS as LONGBENCH
-        from .longbench import task_file
-
-        if self.benchmark != "longbench" and not (self.benchmark == "fidelity" and task in LONGBENCH):
-            return self.samples or DEFAULT_SAMPLES
-        try:
-            with task_file(task, self.data_dir, not self.longbench_full).open() as f:
-                records = sum(1 for line in f if line.strip())
-        except FileNotFoundError:  # e.g. --report away from the data: the asked count is all we know
-            return self.samples or DEFAULT_SAMPLES
-        return max(0, min(records - self.first, self.samples or records))
+        return self.bench.task_samples(self, task)
 
     def extra_tasks(self) -> list[str]:
         """Tasks run only when named (`niah_many`: RULER-style, ours)."""
-        if self.benchmark in ("ruler", "fidelity"):
-            from .ruler import EXTRA_TASKS
-            return list(EXTRA_TASKS)
-        return []
+        return self.bench.extra_tasks()
 
     def all_tasks(self) -> list[str]:
-        if self.benchmark in ("ruler", "fidelity"):  # fidelity: RULER's and LongBench's prompts
-            from .longbench import TASKS as LONGBENCH
-            from .ruler import TASKS
-            return list(TASKS) + (list(LONGBENCH) if self.benchmark == "fidelity" else [])
-        if self.benchmark == "longbench":
-            from .longbench import TASKS
-            return list(TASKS)
-        return ["niah"]
+        return self.bench.tasks()
 
 
 def method_runs(cfg: EvalConfig, configs: dict | None = None) -> list[tuple[str, str, float | None]]:
@@ -208,50 +179,10 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
     """Every sample of the run, each with `input_ids`, gold `outputs`, `metric` and its key fields.
     With `progress`, a line on stderr says what is being built (a large run takes minutes here)."""
     tasks = cfg.tasks or cfg.all_tasks()
-    wrap = _chat_wrapper(tokenizer) if cfg.chat else None
-    markup = sum(map(len, wrap())) if wrap else 0  # the chat turn's own tokens come out of the length budget
+    wrap = chat_wrapper(tokenizer) if cfg.chat else None
     out = []
     for length in cfg.lengths:
-        ruler_tasks, longbench_tasks = _task_sources(cfg, tasks)
-        if ruler_tasks:
-            from .ruler import generate
-            for task in ruler_tasks:
-                n = cfg.task_samples(task)
-                for start in range(0, n, 10):  # in steps of 10 (samples are independent), to show progress
-                    _building(progress, f"RULER {task} at {length} tokens: {start + 1}-{min(n, start + 10)} of {n}")
-                    for rec in generate(task, tokenizer, length - markup, min(10, n - start), seed=cfg.seed,
-                                        data_dir=cfg.data_dir, start=cfg.first + start):
-                        out.append({**rec, **_ruler_ids(rec.pop("input"), rec.pop("question"), rec["answer_prefix"],
-                                                        tokenizer, wrap, cfg.question_after),
-                                    "length_budget": length})
-        if longbench_tasks:
-            from .longbench import PLAIN_UNDER_CHAT, load
-            for task in longbench_tasks:
-                _building(progress, f"LongBench {task} at {length} tokens")
-                turn = wrap if cfg.chat_every_task or task not in PLAIN_UNDER_CHAT else None
-                bos = 1 if turn and tokenizer.add_bos and tokenizer.bos_id is not None else 0  # dropped below
-                for rec in load(task, tokenizer, length - (markup if turn else 0) + bos, root=cfg.data_dir,
-                                subset=not cfg.longbench_full, samples=cfg.samples, split_question=cfg.question_after,
-                                first=cfg.first):
-                    if turn:  # the tokenizer's BOS is the template's business
-                        ids = rec["input_ids"]
-                        rec["input_ids"] = ids[1:] if ids[:1] == [tokenizer.bos_id] else ids
-                    rec.update(_split(rec.pop("input_ids"), rec.pop("question_ids", []), [], turn, cfg.question_after))
-                    out.append({**rec, "length_budget": length})
-        if cfg.benchmark == "niah":
-            from .sources import needle_prompt
-            for depth in cfg.depths:
-                _building(progress, f"needles at {length} tokens, depth {depth:g}")
-                for index in range(cfg.first, cfg.first + cfg.task_samples("niah")):
-                    needle = needle_prompt(tokenizer, length - 16 - markup, depth, seed=cfg.seed + index,
-                                           root=cfg.data_dir)
-                    ids = needle.prompt_ids
-                    if wrap:  # the whole prompt (answer prefix included) as one user turn; BOS is the template's
-                        ids = _split(ids[1:] if ids[:1] == [tokenizer.bos_id] else ids, [], [], wrap, False)
-                        ids = ids["input_ids"]
-                    out.append({"index": index, "task": "niah", "depth": depth, "input_ids": ids,
-                                "outputs": [needle.answer], "length": len(ids), "max_new_tokens": 24 if wrap else 12,
-                                "metric": "needle", "length_budget": length})
+        out += cfg.bench.samples(cfg, tokenizer, tasks, length, wrap, progress)
     if progress and sys.stderr.isatty():
         print(file=sys.stderr)
     return out
@@ -259,60 +190,9 @@ def build_samples(cfg: EvalConfig, tokenizer, progress: bool = False) -> list[di
 
 def chat_scope(cfg: EvalConfig) -> str:
     """What --chat wraps, for headings, where LongBench tasks are in the run."""
-    if cfg.benchmark not in ("longbench", "fidelity"):
+    if not cfg.bench.longbench:
         return ""
     return " (every task)" if cfg.chat_every_task else " (LongBench's few-shot and code tasks plain, as its pred.py)"
-
-
-def _task_sources(cfg: EvalConfig, tasks: list[str]) -> tuple[list[str], list[str]]:
-    """(RULER tasks, LongBench tasks) of a run: fidelity measures on prompts of both."""
-    if cfg.benchmark == "ruler":
-        return tasks, []
-    if cfg.benchmark == "longbench":
-        return [], tasks
-    if cfg.benchmark == "fidelity":
-        from .longbench import TASKS as LONGBENCH
-        return [t for t in tasks if t not in LONGBENCH], [t for t in tasks if t in LONGBENCH]
-    return [], []
-
-
-def _chat_wrapper(tokenizer):
-    """() -> (ids before, ids after) the content of one user turn, the assistant's turn opened
-    after it (an answer prefix goes after that); content is not re-tokenized (`structkv.text.chat.frame`)."""
-    from ...text.chat import frame
-
-    head, tail = frame(tokenizer)
-    return lambda: (head, tail)
-
-
-def _ruler_ids(text: str, question: str, prefix: str, tokenizer, wrap, question_after: bool) -> dict:
-    """A RULER record's token ids: `input_ids` (what is compressed) and, with `question_after`,
-    `question_ids` (the text after the haystack, appended uncompressed)."""
-    if wrap:  # the answer prefix follows the opened assistant turn
-        text, question = text[: len(text) - len(prefix)], question[: len(question) - len(prefix)]
-    bos = not wrap
-    if question_after:
-        ids = tokenizer.encode(text[: len(text) - len(question)], add_bos=bos)
-        asked = tokenizer.encode(question, add_bos=False)
-    else:
-        ids, asked = tokenizer.encode(text, add_bos=bos), []
-    answer = tokenizer.encode(prefix.lstrip(), add_bos=False) if wrap and prefix else []
-    return _split(ids, asked, answer, wrap, question_after)
-
-
-def _split(context: list[int], question: list[int], answer: list[int], wrap, question_after: bool) -> dict:
-    """`input_ids` = the part compressed; `question_ids` (query-agnostic runs only) = the rest,
-    with the chat turn's markup around the content when `wrap` is given."""
-    head, tail = wrap() if wrap else ([], [])
-    before, after = head + context, question + tail + answer
-    return {"input_ids": before, "question_ids": after} if question_after else {"input_ids": before + after}
-
-
-def _building(enabled: bool, what: str) -> None:
-    if enabled:
-        tty = sys.stderr.isatty()
-        print(("\r" + f"building samples: {what}"[:160].ljust(160)) if tty else f"building samples: {what}",
-              end="" if tty else "\n", file=sys.stderr, flush=True)
 
 
 def score(sample: dict, prediction: str) -> float:
@@ -562,7 +442,7 @@ def report(cfg: EvalConfig, out: str | os.PathLike, *, write: bool = True, confi
 def _wanted(cfg: EvalConfig, configs: dict | None = None, labels=None) -> set[str]:
     """The keys of every prediction the run asks for (a task may hold fewer samples than asked),
     for its own labels or for `labels` (every label a development folder holds)."""
-    depths = cfg.depths if cfg.benchmark == "niah" else [None]
+    depths = cfg.depths if cfg.bench.per_depth else [None]
     per_task = {task: cfg.task_samples(task) for task in (cfg.tasks or cfg.all_tasks())}  # one file read per task
     if labels is None:
         labels = [label for label, _, _ in method_runs(cfg, configs)]
@@ -715,13 +595,10 @@ def summary_markdown(result: dict, cfg: EvalConfig | None = None) -> str:
     lines = []
     if cfg is not None:
         asked = set(cfg.tasks or cfg.all_tasks())
-        per_task = {t: cfg.task_samples(t) * (len(cfg.depths) if cfg.benchmark == "niah" else 1) for t in asked}
+        per_task = {t: cfg.task_samples(t) * (len(cfg.depths) if cfg.bench.per_depth else 1) for t in asked}
         partial = " (not all scored yet: see the samples column)" if any(
             r["n"] != per_task for r in rows) else ""
-        if cfg.benchmark == "longbench":
-            what = f"up to {cfg.samples} record(s)" if cfg.samples else "every record"
-        else:
-            what = f"{cfg.samples or DEFAULT_SAMPLES} sample(s)"
+        what = cfg.bench.what(cfg)
         chat = ", prompts in the model's chat template" + chat_scope(cfg) if cfg.chat else ""
         if cfg.question_after:
             chat += ", question appended after compression (query-agnostic)"
