@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -265,18 +266,15 @@ def _eval(args) -> int:
                      continuation=args.continuation, weights=args.weights, kv_dtype=args.kv_dtype,
                      recall=args.recall or [], archive=args.archive)
     cfg.validate()  # bad names and data folders fail before the model loads
-    if args.benchmark == "fidelity":
-        from structkv.harness.eval import fidelity as bench
-    else:
-        from structkv.harness.eval import runner as bench
+    bench = importlib.import_module(f"structkv.harness.eval.{cfg.bench.loop}")
     if args.report:
         result = bench.report(cfg, args.out, write=not args.no_write)
     else:
         result = bench.run(cfg, args.out, progress=not args.quiet)
     print(bench.summary_markdown(result, cfg))
     if not args.no_write:
-        records = "records.jsonl" if args.benchmark == "fidelity" else "predictions.jsonl"
-        print(f"results in {args.out}: {records}, metrics.json, summary.md, {', '.join(result.get('plots', []))}")
+        plots = ", ".join(result.get("plots", []))
+        print(f"results in {args.out}: {cfg.bench.records}, metrics.json, summary.md, {plots}")
     return 0
 
 

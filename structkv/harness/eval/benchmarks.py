@@ -18,6 +18,8 @@ class Benchmark:
     some of its prompts are LongBench's (its records, and --chat's scope, matter)."""
 
     name = ""
+    loop = "runner"  # the module under structkv.harness.eval with its run / report / summary_markdown
+    records = "predictions.jsonl"  # the file of one line per scored prompt
     per_depth = False
     question_after = True
     longbench = False
@@ -89,6 +91,8 @@ class Fidelity(Ruler):
     """Logit fidelity on RULER's and LongBench's prompts (`structkv.harness.eval.fidelity`)."""
 
     name = "fidelity"
+    loop = "fidelity"
+    records = "records.jsonl"
     longbench = True
 
     def tasks(self):
