@@ -1,5 +1,6 @@
 """Model loading and the self-contained decoder."""
-from .config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
+from .architectures import SUPPORTED_ARCHITECTURES
+from .config import ModelConfig, RopeConfig
 from .decoder import Decoder
 from .kv_cache import LayerKVCache, StaticKVCache
 from .loading import load

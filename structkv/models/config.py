@@ -1,7 +1,8 @@
 """One config dataclass for every supported decoder, read from HF `config.json` or GGUF metadata.
 
 The decoder never looks at a raw HF dict: everything architecture-specific is decided here, once,
-and stated as a plain field (norm flavour, activation, per-layer attention type and RoPE).
+and stated as a plain field (norm flavour, activation, per-layer attention type and RoPE). What a
+format leaves unsaid comes from `architectures.ARCHITECTURES`, the table the GGUF reader uses too.
 """
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .architectures import architecture, global_pattern
+
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -126,10 +128,7 @@ class ModelConfig:
         model_type = d.get("model_type")
         if model_type == "gemma3" and "text_config" in d:  # multimodal wrapper: use the text tower
             d, model_type = {**d["text_config"], "model_type": "gemma3_text"}, "gemma3_text"
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; structkv supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        arch = architecture(model_type)
         n_layers = _field(d, "num_hidden_layers")
         n_heads = _field(d, "num_attention_heads")
         hidden = _field(d, "hidden_size")
@@ -137,15 +136,14 @@ class ModelConfig:
         _positive_int("num_attention_heads", n_heads)
         _positive_int("hidden_size", hidden)
         head_dim = d.get("head_dim") or hidden // n_heads
-        gemma = model_type == "gemma3_text"
+        gemma = arch.gemma_norms
 
         layer_types = d.get("layer_types")
         sliding_window = d.get("sliding_window")
         if layer_types is None:
-            if gemma:
-                pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6
-                layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                               for i in range(n_layers)]
+            if arch.global_every:
+                pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern")
+                layer_types = global_pattern(arch, n_layers, pattern)
             elif model_type == "mistral" and sliding_window:
                 layer_types = ["sliding_attention"] * n_layers
             elif model_type in ("qwen2", "qwen3") and d.get("use_sliding_window") and sliding_window:
@@ -165,7 +163,7 @@ class ModelConfig:
         if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos):
             raise ValueError(f"config field 'eos_token_id' must be a token id or a list of them, "
                              f"got {d['eos_token_id']!r}")
-        act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        act = d.get("hidden_activation") or d.get("hidden_act") or arch.activation
         act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act)
         if act is None:
             raise ValueError(f"unsupported activation {d.get('hidden_act')!r}: expected silu or gelu_pytorch_tanh")
@@ -186,12 +184,12 @@ class ModelConfig:
             layer_types=layer_types,
             sliding_window=sliding_window,
             rope=rope,
-            attention_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            attention_bias=arch.attention_bias or bool(d.get("attention_bias", False)),
+            qk_norm=arch.qk_norm,
             activation=act,
             gemma_norms=gemma,
             attn_scale=_query_scale(d) if gemma else None,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", arch.tied_embeddings)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos,
             pad_token_id=d.get("pad_token_id"),

@@ -13,10 +13,8 @@ from pathlib import Path
 import torch
 
 from ..text.tokenizer import TURN_ENDS
+from .architectures import gguf_architecture, global_pattern
 from .config import ModelConfig, RopeConfig
-
-GGUF_ARCHITECTURES = ("gemma3", "llama", "mistral", "qwen2", "qwen3")
-PERMUTED_QK = ("llama", "mistral")  # llama.cpp interleaves the rotary halves of q and k rows
 
 # GGUF tensor name -> HF name for the llama family; `{i}` is the layer index.
 LLAMA_NAMES = {
@@ -82,13 +80,8 @@ def open_gguf(path: str | Path):
 
 def gguf_config(fields: dict, tensor_names: list[str] | None = None) -> ModelConfig:
     """ModelConfig from GGUF metadata (`tensor_names` tells whether the LM head is tied)."""
-    arch = fields.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)}); "
-            "load a HF safetensors folder instead"
-        )
-    p = f"{arch}."
+    arch = gguf_architecture(fields.get("general.architecture"))
+    p = f"{arch.gguf}."
 
     def need(key):
         if key not in fields:
@@ -108,23 +101,22 @@ def gguf_config(fields: dict, tensor_names: list[str] | None = None) -> ModelCon
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"), eos_token_ids=eos_ids,
         pad_token_id=fields.get("tokenizer.ggml.padding_token_id"),
     )
-    if arch == "gemma3":
+    common.update(model_type=arch.model_type, qk_norm=arch.qk_norm, attention_bias=arch.attention_bias,
+                  activation=arch.activation, gemma_norms=arch.gemma_norms)
+    if arch.global_every:  # llama.cpp's Gemma 3: the table's layer pattern, local layers at the table's theta
         head_dim = need(p + "attention.key_length")
         return ModelConfig(
-            model_type="gemma3_text", head_dim=head_dim, **common,
-            # llama.cpp's Gemma 3: every 6th layer is global, local layers use theta 10k.
-            layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n_layers)),
+            head_dim=head_dim, **common,
+            layer_types=global_pattern(arch, n_layers),
             sliding_window=need(p + "attention.sliding_window"),
             rope={"full_attention": RopeConfig(theta=fields.get(p + "rope.freq_base", 1e6)),
-                  "sliding_attention": RopeConfig(theta=10000.0)},
-            qk_norm=True, activation="gelu_tanh", gemma_norms=True,
+                  "sliding_attention": RopeConfig(theta=arch.local_theta)},
             attn_scale=head_dim**-0.5,  # query_pre_attn_scalar = head_dim for Gemma 3 text
-            tie_word_embeddings=True,
+            tie_word_embeddings=arch.tied_embeddings,
         )
     return ModelConfig(
-        model_type=arch, head_dim=fields.get(p + "attention.key_length") or hidden // n_heads, **common,
+        head_dim=fields.get(p + "attention.key_length") or hidden // n_heads, **common,
         layer_types=("full_attention",) * n_layers, rope=_llama_rope(fields, p),
-        attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
         tie_word_embeddings=tensor_names is not None and "output.weight" not in tensor_names,
     )
 
@@ -148,7 +140,7 @@ def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def hf_names(cfg: ModelConfig, arch: str) -> dict[str, str]:
     """GGUF tensor name -> HF name for every layer of `cfg`."""
-    names = GEMMA3_NAMES if arch == "gemma3" else LLAMA_NAMES
+    names = GEMMA3_NAMES if gguf_architecture(arch).gemma_norms else LLAMA_NAMES
     name_map = {}
     for src, dst in names.items():
         if "{i}" in src:
@@ -177,12 +169,13 @@ def gguf_state_dict(reader, cfg: ModelConfig, dtype: torch.dtype, arch: str = "g
     if unexpected:
         raise ValueError(f"unexpected tensors in GGUF file: {unexpected[:5]} (of {len(unexpected)})")
     sd = {}
+    row = gguf_architecture(arch)
     for t in reader.tensors:
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         w = torch.from_numpy(arr.copy())
-        if arch == "gemma3" and t.name.endswith("norm.weight"):  # GGUF stores Gemma norms as (1 + w)
+        if row.gemma_norms and t.name.endswith("norm.weight"):  # GGUF stores Gemma norms as (1 + w)
             w = w - 1.0
-        if arch in PERMUTED_QK and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+        if row.permuted_qk and t.name.endswith(("attn_q.weight", "attn_k.weight")):
             w = unpermute(w, cfg.num_heads if "attn_q" in t.name else cfg.num_kv_heads)
         sd[name_map[t.name]] = w.to(dtype)
     return sd

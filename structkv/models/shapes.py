@@ -47,7 +47,7 @@ def random_model(shape: str, *, dtype=torch.float32, device="cpu", seed: int = 0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.fill_(0.0 if cfg.model_type == "gemma3_text" else 1.0)  # Gemma norms scale by (1 + w)
+                p.fill_(0.0 if cfg.gemma_norms else 1.0)  # Gemma norms scale by (1 + w)
             elif name.endswith("bias"):
                 p.zero_()
             else:  # chunked so a large embedding does not need a second full-size float32 copy
