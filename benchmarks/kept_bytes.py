@@ -42,7 +42,7 @@ def planned_kv_entries(method, cfg, length: int) -> list[int] | None:
     if method.propagation(cfg, lengths) is not None:
         return None
     plan = method.kv_plan(cfg, lengths)
-    return [min(plan[i][0] if i in plan else length, length, cfg.window(i) or length) * cfg.num_kv_heads
+    return [min(plan[i][0] if i in plan else length, length, cfg.sliding_window_at(i) or length) * cfg.num_kv_heads
             for i in range(cfg.num_layers)]
 
 

@@ -31,7 +31,7 @@ def needle_ranks(model, ids, span, window=8, kernel=7):
     out = {}
     for i in range(model.config.num_layers):
         h, q, k, _ = run_block(model.model.layers[i], h, positions, *rope[model.config.layer_types[i]])
-        if model.config.window(i) is None:
+        if model.config.sliding_window_at(i) is None:
             sal = window_scores(q[:, :, -window:], k, positions[:, -window:].contiguous(), positions,
                                 scale=model.config.scale)
             s = pool_scores(sal[:, :, : n - window], kernel, "max").sum(1)[0]  # (n - w,)

@@ -25,13 +25,13 @@ from serve_load import QUESTIONS, documents, one, pct
 def run(model, args, docs, clients: int, max_batch: int) -> dict:
     import openai
 
-    from structkv.serve import build
+    from structkv.serve import app_for
     from structkv.serve.engine import Settings
     from structkv.serve.launch import Background
 
     settings = Settings(model_name="m", method=args.method, kv_budget=args.kv_budget, cache_bytes=0,
                         max_queue=16, max_batch=max_batch, max_tokens=args.max_tokens, compile=False)
-    with Background(build(model, settings)) as srv:
+    with Background(app_for(model, settings)) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=600, max_retries=0)
         one(client, "m", docs[0][:200], "Warm up.", 4, args.api, context=False)
         results, lock = [], threading.Lock()

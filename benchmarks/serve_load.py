@@ -70,13 +70,13 @@ def run_mode(model, args, docs, cache_bytes: int) -> dict:
     import httpx
     import openai
 
-    from structkv.serve import build
+    from structkv.serve import app_for
     from structkv.serve.engine import Settings
     from structkv.serve.launch import Background
 
     settings = Settings(model_name="m", method=args.method, kv_budget=args.kv_budget, cache_bytes=cache_bytes,
                         max_queue=args.clients * 2, max_tokens=args.max_tokens, compile=args.compile)
-    with Background(build(model, settings)) as srv:
+    with Background(app_for(model, settings)) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=600, max_retries=0)
         one(client, "m", docs[0][: len(docs[0]) // 2], "Warm up.", args.max_tokens, args.api)  # compiles; untimed
         results, lock = [], threading.Lock()

@@ -42,7 +42,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = structkv.load(args.model)
     first = start(model, list(range(1000, 2024)), max_new_tokens=64, method=structkv.methods.build("structkv", kv=0.1))
-    windows = [model.config.window(i) for i in range(model.config.num_layers)]
+    sliding_windows = [model.config.sliding_window_at(i) for i in range(model.config.num_layers)]
     on = (linear.SKINNY_ROWS, linear.HEAD_ROWS)
 
     def set_path(enabled: bool):
@@ -56,7 +56,7 @@ def main() -> None:
     print("| step | rows | nn.Linear (off) ms | W @ x^T (on) ms | speed-up |\n|---|---|---|---|---|")
     with torch.inference_mode():
         for kind, rows, decode in runs:
-            cache = StackedKVCache([first.cache] * rows, room=64, windows=windows)
+            cache = StackedKVCache([first.cache] * rows, room=64, sliding_windows=sliding_windows)
             tokens, positions = torch.full((rows, 1), 5), first.next_pos.repeat(rows, 1)
             times = {}
             for enabled in (False, True):

@@ -38,7 +38,7 @@ def _worker(rank, world, store, args, results):
     import structkv
     from structkv.distributed import TensorParallel, local_config
     from structkv.distributed.sharding import shard_slice
-    from structkv.models.loading import build
+    from structkv.models.loading import assemble
     from structkv.models.shapes import random_model
 
     torch.set_num_threads(1)
@@ -56,7 +56,7 @@ def _worker(rank, world, store, args, results):
         dim, a, b = spec
         return t.narrow(dim, a, b - a).clone()
 
-    funcol = build(cfg, {k: shard(k, v) for k, v in sd.items()}, dtype=torch.float32, device=torch.device("cpu"),
+    funcol = assemble(cfg, {k: shard(k, v) for k, v in sd.items()}, dtype=torch.float32, device=torch.device("cpu"),
                    source="random", tp=tp)
     dtensor = random_model(args.shape)
     mesh = init_device_mesh("cpu", (world,))

@@ -331,7 +331,7 @@ def _serve(args) -> int:
     import torch
 
     try:
-        from structkv.serve import build
+        from structkv.serve import app_for
         from structkv.serve.engine import Settings
         from structkv.serve.launch import Server, uvicorn_config
     except ImportError as e:
@@ -363,7 +363,7 @@ def _serve(args) -> int:
                         max_prompt_tokens=args.max_prompt_tokens, archive=args.archive, recall=args.recall,
                         archive_dir=args.archive_dir)
     model = structkv.load(args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype)
-    app = build(model, settings, max_request_bytes=args.max_request_bytes, api_key=api_key, allowed_hosts=hosts,
+    app = app_for(model, settings, max_request_bytes=args.max_request_bytes, api_key=api_key, allowed_hosts=hosts,
                 allowed_origins=args.allow_origin or (), body_timeout_s=args.body_timeout)
     server = Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    max_connections=args.max_connections, grace_s=args.shutdown_grace,

@@ -82,13 +82,13 @@ def test_take_rows_and_stacking_with_room_keep_every_entry(tiny_dir):
     capacity for it; a model's sliding layers become rings when the room would pass the window."""
     model = structkv.load(tiny_dir("gemma3_text"))
     a, b = (start(model, prompt(n, n), max_new_tokens=4) for n in (6, 20))
-    windows = [model.config.window(i) for i in range(model.config.num_layers)]
-    stacked = StackedKVCache([a.cache, b.cache], room=50, windows=windows)
+    sliding_windows = [model.config.sliding_window_at(i) for i in range(model.config.num_layers)]
+    stacked = StackedKVCache([a.cache, b.cache], room=50, sliding_windows=sliding_windows)
     for i, layer in enumerate(stacked.layers):
-        if windows[i] is None:
-            assert layer.capacity >= 20 + 50 and layer.window is None
+        if sliding_windows[i] is None:
+            assert layer.capacity >= 20 + 50 and layer.sliding_window is None
         else:
-            assert layer.window == windows[i]  # 20 + 50 would pass the window of 8
+            assert layer.sliding_window == sliding_windows[i]  # 20 + 50 would pass the window of 8
     back = stacked.take_rows([1])
     for layer, original in zip(back.layers, b.cache.layers):
         mine = sorted(p for p in layer.pos[0, 0].tolist() if p >= 0)

@@ -36,7 +36,8 @@ def test_reads_llama31_v4_config():
 
 def test_reads_gemma3_v4_config():
     cfg = ModelConfig.from_hf(GEMMA3_270M)
-    assert cfg.full_attention_layers == [5, 11, 17] and cfg.window(0) == 512 and cfg.window(5) is None
+    assert cfg.full_attention_layers == [5, 11, 17]
+    assert cfg.sliding_window_at(0) == 512 and cfg.sliding_window_at(5) is None
     assert cfg.rope["sliding_attention"].theta == 10000.0 and cfg.rope["full_attention"].theta == 1e6
     assert cfg.scale == 256**-0.5 and cfg.tie_word_embeddings and cfg.gemma_norms
 

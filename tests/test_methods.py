@@ -163,7 +163,7 @@ def test_propagation_equals_restricted_attention_reference(arch, tiny_dir):
     for i, block in enumerate(model.model.layers):  # plain reference: the block's parts, keys masked after p
         attn, (cos, sin) = block.self_attn, rope[model.config.layer_types[i]]
         q, k, v = attn.qkv(block.input_layernorm(h), cos, sin)
-        h = block.finish(h, attn.attend(q, k, v, visible(pos, restricted if i > p else pos, attn.window)))
+        h = block.finish(h, attn.attend(q, k, v, visible(pos, restricted if i > p else pos, attn.sliding_window)))
     assert torch.allclose(state.logits, model.logits(h[:, -1]), atol=1e-5)
 
 
@@ -177,7 +177,7 @@ def test_decode_over_compacted_cache_equals_masked_full_cache(name, gemma_tiny):
     _, kv = model.prompt_pass(tokens, positions)
     for layer, small, (k, v) in zip(full.layers, state.cache.layers, kv):
         layer.fill(k, v, positions)
-        if small.window is None:  # drop, per KV head, every position the compressed cache lacks
+        if small.sliding_window is None:  # drop, per KV head, every position the compressed cache lacks
             for h in range(layer.pos.shape[1]):
                 keep = set(small.pos[0, h][small.pos[0, h] >= 0].tolist())
                 layer.pos[0, h] = torch.tensor([p if p in keep else -1 for p in layer.pos[0, h].tolist()])
@@ -205,8 +205,8 @@ def test_hybrid_sliding_layers_keep_exact_window(gemma_tiny):
     cfg = gemma_tiny.config
     state = _compress(gemma_tiny, _ids(60), methods.StructKV(kv_budget=0.2, struct_budget=0.4))
     for i, layer in enumerate(state.cache.layers):
-        if cfg.window(i) is not None:
-            assert layer.window == cfg.window(i) and layer.capacity == cfg.window(i)
+        if cfg.sliding_window_at(i) is not None:
+            assert layer.sliding_window == cfg.sliding_window_at(i) and layer.capacity == cfg.sliding_window_at(i)
     assert set(state.stats["centrality_layers"]) <= set(cfg.full_attention_layers)
     assert state.stats["pivot_layer"] in cfg.full_attention_layers
     full_entries = [state.stats["kv_entries_per_layer"][i] for i in cfg.full_attention_layers]

@@ -120,7 +120,7 @@ def test_detector_computes_its_own_statistics_from_window_scores():
 def test_budgeted_cache_takes_explicit_sizes():
     cache = BudgetedKVCache(2, 3, 16, [64, 128, 8], [None, None, 8], torch.float32, "cpu")
     assert [layer.capacity for layer in cache.layers] == [64, 128, 8]
-    assert [layer.window for layer in cache.layers] == [None, None, 8]
+    assert [layer.sliding_window for layer in cache.layers] == [None, None, 8]
     k = torch.randn(2, 3, 10, 16)
     pos = torch.arange(10).expand(2, 10)
     idx = torch.tensor([[0, 4, 9]]).expand(2, 3, 3)

@@ -19,7 +19,7 @@ def scores_case(draw):
     N = draw(st.integers(1, 160))
     w = draw(st.integers(1, 64))
     pads = [draw(st.integers(0, N - 1)) for _ in range(B)]
-    window = draw(st.one_of(st.none(), st.integers(1, 48)))
+    sliding_window = draw(st.one_of(st.none(), st.integers(1, 48)))
     softcap = draw(st.one_of(st.none(), st.floats(2.0, 50.0)))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
     chunk = draw(st.sampled_from([7, 32, 2048]))
@@ -31,29 +31,30 @@ def scores_case(draw):
     last = k_pos[:, -1:]
     q_pos = last - w + 1 + torch.arange(w)[None]
     q_pos = torch.where(q_pos < 0, torch.full_like(q_pos, -1), q_pos)
-    return q, k, q_pos, k_pos, D**-0.5, window, softcap, chunk
+    return q, k, q_pos, k_pos, D**-0.5, sliding_window, softcap, chunk
 
 
 @given(scores_case())
 def test_reference_matches_naive(case):
-    q, k, q_pos, k_pos, scale, window, softcap, chunk = case
-    sal, ent = window_scores_reference(q, k, q_pos, k_pos, scale, window or 0, softcap or 0.0, chunk=chunk)
-    sal_n, ent_n = window_scores_naive(q, k, q_pos, k_pos, scale, window or 0, softcap or 0.0)
+    q, k, q_pos, k_pos, scale, sliding_window, softcap, chunk = case
+    sal, ent = window_scores_reference(q, k, q_pos, k_pos, scale, sliding_window or 0, softcap or 0.0, chunk=chunk)
+    sal_n, ent_n = window_scores_naive(q, k, q_pos, k_pos, scale, sliding_window or 0, softcap or 0.0)
     assert torch.allclose(sal, sal_n, atol=1e-5, rtol=1e-5)
     assert torch.allclose(ent, ent_n, atol=1e-5, rtol=1e-5)
 
 
 @given(scores_case())
 def test_invariants(case):
-    q, k, q_pos, k_pos, scale, window, softcap, _ = case
-    sal, ent = window_scores(q, k, q_pos, k_pos, scale=scale, window=window, softcap=softcap, entropy=True)
+    q, k, q_pos, k_pos, scale, sliding_window, softcap, _ = case
+    sal, ent = window_scores(q, k, q_pos, k_pos, scale=scale, sliding_window=sliding_window, softcap=softcap,
+                             entropy=True)
     B, Hq, w, _ = q.shape
     G = Hq // k.shape[1]
     assert sal.dtype == torch.float32 and ent.dtype == torch.float32
     assert (sal >= 0).all()
     vis = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])  # (B, w, N)
-    if window:
-        vis &= q_pos[:, :, None] - k_pos[:, None, :] < window
+    if sliding_window:
+        vis &= q_pos[:, :, None] - k_pos[:, None, :] < sliding_window
     n_vis = vis.sum(-1)  # (B, w)
     # every query row that sees a key puts mass 1 on visible keys: rows sum to G * (rows seeing) / w
     expected = G * (n_vis > 0).sum(-1, keepdim=True).float() / w  # (B, 1)
@@ -102,11 +103,11 @@ def test_opcheck_window_scores(shape, entropy):
 def test_entropy_is_only_computed_when_asked(case):
     """Without `entropy` the op returns the same saliency and no entropy tensor (its accumulator is
     skipped, not computed and dropped)."""
-    q, k, q_pos, k_pos, scale, window, softcap, _ = case
-    sal = window_scores(q, k, q_pos, k_pos, scale=scale, window=window, softcap=softcap)
-    both = window_scores(q, k, q_pos, k_pos, scale=scale, window=window, softcap=softcap, entropy=True)
+    q, k, q_pos, k_pos, scale, sliding_window, softcap, _ = case
+    sal = window_scores(q, k, q_pos, k_pos, scale=scale, sliding_window=sliding_window, softcap=softcap)
+    both = window_scores(q, k, q_pos, k_pos, scale=scale, sliding_window=sliding_window, softcap=softcap, entropy=True)
     assert torch.equal(sal, both[0])
-    _, none = torch.ops.structkv.window_scores(q, k, q_pos, k_pos, scale, window or 0, softcap or 0.0, False)
+    _, none = torch.ops.structkv.window_scores(q, k, q_pos, k_pos, scale, sliding_window or 0, softcap or 0.0, False)
     assert none.shape == (q.shape[0], q.shape[1], 0)
 
 
@@ -184,7 +185,7 @@ def test_window_scores_bad_input():
     with pytest.raises(ValueError, match="integer"):
         window_scores(q, k, qp.float(), kp)
     with pytest.raises(ValueError, match="sliding window"):
-        window_scores(q, k, qp, kp, window=0)
+        window_scores(q, k, qp, kp, sliding_window=0)
 
 
 def test_compact_kv_bad_input():
@@ -212,8 +213,8 @@ def test_compact_kv_bad_input():
         call(torch.tensor([[[0, 1], [1, 2]]]), kc=torch.zeros(B, H, C, D + 1))
 
 
-@pytest.mark.parametrize("S,window", [(1, 4), (7, 4), (8, 4), (19, 5)])
-def test_sliding_window_attention_op(S, window):
+@pytest.mark.parametrize("S,sliding_window", [(1, 4), (7, 4), (8, 4), (19, 5)])
+def test_sliding_window_attention_op(S, sliding_window):
     """Blockwise sliding attention equals masked full attention, and the op registers cleanly."""
     import torch.nn.functional as F
 
@@ -224,16 +225,17 @@ def test_sliding_window_attention_op(S, window):
     k, v = torch.randn(2, 2, S, 8, generator=g), torch.randn(2, 2, S, 8, generator=g)
     pos = torch.arange(S).expand(2, S).clone()
     pos[1, : S // 3] = -1  # left padding in row 1
-    out = torch.ops.structkv.sliding_window_attention(q, k, v, pos, window, 0.3)
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=visible(pos, pos, window), scale=0.3, enable_gqa=True)
+    out = torch.ops.structkv.sliding_window_attention(q, k, v, pos, sliding_window, 0.3)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=visible(pos, pos, sliding_window), scale=0.3,
+                                         enable_gqa=True)
     assert torch.allclose(out, ref, atol=1e-5)
-    torch.library.opcheck(torch.ops.structkv.sliding_window_attention.default, (q, k, v, pos, window, 0.3))
+    torch.library.opcheck(torch.ops.structkv.sliding_window_attention.default, (q, k, v, pos, sliding_window, 0.3))
 
 
 @settings(max_examples=40, deadline=None)
-@given(S=st.integers(1, 60), window=st.integers(1, 12), block=st.integers(1, 9), pad=st.integers(0, 5),
+@given(S=st.integers(1, 60), sliding_window=st.integers(1, 12), block=st.integers(1, 9), pad=st.integers(0, 5),
        gaps=st.booleans(), seed=st.integers(0, 2**16))
-def test_sliding_blocks_equal_one_masked_call(S, window, block, pad, gaps, seed):
+def test_sliding_blocks_equal_one_masked_call(S, sliding_window, block, pad, gaps, seed):
     """Sliding attention in blocks of any size equals one masked call over every key, for left
     padding and for a kept subset of a prompt (increasing positions with gaps)."""
     import torch.nn.functional as F
@@ -247,8 +249,9 @@ def test_sliding_blocks_equal_one_masked_call(S, window, block, pad, gaps, seed)
     step = torch.randint(1, 4, (2, S), generator=g) if gaps else torch.ones(2, S, dtype=torch.long)
     pos = step.cumsum(1) - 1  # (2, S) increasing
     pos[1, : min(pad, S - 1)] = -1  # left padding in row 1 (one valid token kept)
-    out = sliding_self_attention(q, k, v, pos, window, 0.3, block)
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=visible(pos, pos, window), scale=0.3, enable_gqa=True)
+    out = sliding_self_attention(q, k, v, pos, sliding_window, 0.3, block)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=visible(pos, pos, sliding_window), scale=0.3,
+                                         enable_gqa=True)
     assert torch.allclose(out, ref, atol=1e-5)
 
 

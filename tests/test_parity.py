@@ -64,7 +64,7 @@ def test_subset_with_original_positions_sees_restricted_attention(tiny_dir):
     q, k, v = block.self_attn.qkv(block.input_layernorm(h_full), *rope_full[model.config.layer_types[0]])
     masked_pos = torch.full_like(full_pos, -1)
     masked_pos[0, keep] = keep
-    mask = visible(full_pos, masked_pos, block.self_attn.window)
+    mask = visible(full_pos, masked_pos, block.self_attn.sliding_window)
     out_full = block.finish(h_full, block.self_attn.attend(q, k, v, mask))
     assert torch.allclose(out_sub, out_full[:, keep], atol=1e-5)
     assert torch.allclose(k_sub, k[:, :, keep], atol=1e-6)

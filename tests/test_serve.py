@@ -13,7 +13,7 @@ import pytest
 
 import structkv
 from structkv import methods
-from structkv.serve import build
+from structkv.serve import app_for
 from structkv.serve.engine import Settings
 from structkv.serve.launch import Background
 from structkv.text import chat
@@ -34,7 +34,7 @@ def settings(**kw):
 
 @pytest.fixture(scope="module")
 def server(chat_model):
-    with Background(build(chat_model, settings())) as running:
+    with Background(app_for(chat_model, settings())) as running:
         yield running
 
 
@@ -133,7 +133,7 @@ def test_cached_contexts_get_the_context_method(chat_model):
     from structkv.methods import CONTEXT_DEFAULT
 
     assert Settings(model_name=NAME).context_method == CONTEXT_DEFAULT
-    with Background(build(chat_model, settings(context_method=None))) as running:
+    with Background(app_for(chat_model, settings(context_method=None))) as running:
         client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", timeout=60, max_retries=0)
         question = [{"role": "user", "content": QUESTIONS[0]}]
         cached = client.chat.completions.create(model=NAME, messages=question, temperature=0, max_tokens=8,
@@ -290,7 +290,7 @@ def test_guard_rules():
 
 
 def test_api_key_and_host_over_http(chat_model):
-    with Background(build(chat_model, settings(), api_key="k3y", allowed_hosts=["127.0.0.1"])) as srv:
+    with Background(app_for(chat_model, settings(), api_key="k3y", allowed_hosts=["127.0.0.1"])) as srv:
         ask = dict(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2)
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).chat.completions.create(**ask)
@@ -312,7 +312,7 @@ def test_idle_and_excess_connections_are_closed(chat_model):
     server's file descriptors (issue 32: 1030 idle sockets locked every client out)."""
     import socket
 
-    with Background(build(chat_model, settings()), max_connections=4, head_timeout_s=1.0) as srv:
+    with Background(app_for(chat_model, settings()), max_connections=4, head_timeout_s=1.0) as srv:
         port = int(srv.url.rsplit(":", 1)[1])
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(12)]
         time.sleep(0.3)
@@ -343,7 +343,7 @@ def test_a_half_sent_body_is_answered_408_within_the_timeout(chat_model):
     closes, instead of holding it for as long as it likes."""
     import socket
 
-    with Background(build(chat_model, settings(), body_timeout_s=1.0)) as srv:
+    with Background(app_for(chat_model, settings(), body_timeout_s=1.0)) as srv:
         host, port = srv.url.removeprefix("http://").split(":")
         t0 = time.monotonic()
         with socket.create_connection((host, int(port)), timeout=20) as sock:
@@ -363,7 +363,7 @@ def test_prompt_token_limit_and_oversized_text_refused_before_tokenizing(chat_mo
     encode = chat_model.tokenizer.encode
     monkeypatch.setattr(chat_model.tokenizer, "encode",
                         lambda text, **kw: calls.append(len(text)) or encode(text, **kw))
-    with Background(build(chat_model, settings(max_prompt_tokens=40))) as srv:
+    with Background(app_for(chat_model, settings(max_prompt_tokens=40))) as srv:
         ask = {"model": NAME, "messages": [{"role": "user", "content": "word " * 60}], "max_tokens": 2}
         r = post(srv, "/v1/chat/completions", ask)
         assert r.status_code == 400 and "--max-prompt-tokens" in r.json()["error"]["message"]
@@ -396,7 +396,7 @@ class Gate:
 def test_full_queue_answers_503_with_retry_after(chat_model, monkeypatch):
     Gate(monkeypatch, 0.05)
     body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 40, "temperature": 0}
-    with Background(build(chat_model, settings(max_queue=1, max_batch=1))) as srv:
+    with Background(app_for(chat_model, settings(max_queue=1, max_batch=1))) as srv:
         codes = []
         threads = [threading.Thread(target=lambda: codes.append(post(srv, "/v1/chat/completions", body).status_code))
                    for _ in range(2)]
@@ -415,7 +415,7 @@ def test_disconnect_mid_stream_frees_the_model(chat_model, monkeypatch):
     Gate(monkeypatch, 0.05)
     body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 60, "stream": True,
             "temperature": 0}  # greedy: a sampled end-of-turn could end it early by chance
-    with Background(build(chat_model, settings())) as srv:
+    with Background(app_for(chat_model, settings())) as srv:
         with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")  # the role chunk: it is running
@@ -438,7 +438,7 @@ def test_concurrent_requests_decode_in_one_batch(chat_model, monkeypatch):
     asks = [[{"role": "user", "content": f"Question {i}: {QUESTIONS[i]}"}] for i in range(3)]
     for max_batch, shared in ((8, True), (1, False)):
         got = {}
-        with Background(build(chat_model, settings(max_batch=max_batch))) as srv:
+        with Background(app_for(chat_model, settings(max_batch=max_batch))) as srv:
             def ask(i):
                 got[i] = post(srv, "/v1/chat/completions", {"model": NAME, "messages": asks[i], "max_tokens": 24,
                                                             "temperature": 0}, timeout=120).json()
@@ -500,7 +500,7 @@ def test_shutdown_lets_running_requests_finish(chat_model, monkeypatch):
     assert len(chat_model.tokenizer.encode(want, add_bos=False)) >= 20  # long enough to be running at stop()
     Gate(monkeypatch, 0.05)
     body = {"model": NAME, "messages": messages, "max_tokens": 30, "temperature": 0}
-    srv = Background(build(chat_model, settings()))
+    srv = Background(app_for(chat_model, settings()))
     result = {}
     t = threading.Thread(target=lambda: result.update(r=post(srv, "/v1/chat/completions", body)))
     t.start()
@@ -515,7 +515,7 @@ def test_shutdown_after_the_grace_period_drops_queued_work(chat_model, monkeypat
     dropped: nothing is generated for clients that are gone, and the server stops promptly."""
     produced = Gate(monkeypatch, 0.05).produced
     body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 30, "temperature": 0}
-    srv = Background(build(chat_model, settings(max_batch=1)), grace_s=0.5)
+    srv = Background(app_for(chat_model, settings(max_batch=1)), grace_s=0.5)
 
     def ask():
         try:
@@ -541,7 +541,7 @@ def test_shutdown_after_the_grace_period_stops_a_running_batch(chat_model, monke
     an OpenAI error object (503 server_shutdown), not a plain-text 500."""
     produced = Gate(monkeypatch, 0.05).produced
     body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 60, "temperature": 0}
-    srv = Background(build(chat_model, settings()), grace_s=0.5)
+    srv = Background(app_for(chat_model, settings()), grace_s=0.5)
     answers = []
     clients = [threading.Thread(target=lambda: answers.append(_ignore_errors(post, srv, "/v1/chat/completions",
                                                                              body))) for _ in range(3)]
@@ -562,7 +562,7 @@ def test_a_stream_stopped_by_the_shutdown_ends_with_an_error_event(chat_model, m
     Gate(monkeypatch, 0.05)
     body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 60, "temperature": 0,
             "stream": True}
-    srv = Background(build(chat_model, settings()), grace_s=0.5)
+    srv = Background(app_for(chat_model, settings()), grace_s=0.5)
     lines = []
 
     def read():
@@ -645,7 +645,7 @@ def test_archived_contexts_recall_survive_a_restart_and_refuse_damaged_files(cha
     kw = dict(archive="int4", recall=24, archive_dir=str(tmp_path))
 
     def ask(doc):
-        with Background(build(chat_model, settings(**kw))) as running:
+        with Background(app_for(chat_model, settings(**kw))) as running:
             client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", timeout=60, max_retries=0)
             out = client.chat.completions.create(model=NAME, messages=question, temperature=0, max_tokens=8,
                                                  extra_body={"context": doc})
@@ -695,7 +695,7 @@ def test_archived_states_count_apart_in_the_bound(chat_model, tmp_path):
 def test_a_named_method_without_an_archive_is_served_by_a_recalling_server(chat_model):
     """A server that archives every cached context (--archive int4) still answers a request that
     names GemFilter (it re-encodes what it keeps: nothing to archive) from a plain cached state."""
-    with Background(build(chat_model, settings(archive="int4"))) as running:
+    with Background(app_for(chat_model, settings(archive="int4"))) as running:
         client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", timeout=60, max_retries=0)
         out = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": QUESTIONS[0]}],
                                              temperature=0, max_tokens=4,

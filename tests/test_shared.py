@@ -110,9 +110,9 @@ def test_stacking_a_short_sliding_layer_into_rings(models):
     tokens, positions, _ = encode_batch(model, [ids])
     gem = compress(model, tokens, positions, methods.get("gemfilter", kv_budget=0.1), room=2)  # 6 tokens + 2 <= 8
     full = compress(model, tokens, positions, methods.get("full"), room=2)
-    assert gem.cache.layers[0].window is None and full.cache.layers[0].window == 8
+    assert gem.cache.layers[0].sliding_window is None and full.cache.layers[0].sliding_window == 8
     stacked = StackedKVCache([gem.cache, full.cache])
-    assert stacked.layers[0].window == 8 and stacked.rows == [1, 1]
+    assert stacked.layers[0].sliding_window == 8 and stacked.rows == [1, 1]
     out = generate_states(model, [gem, full], max_new_tokens=2, stop_at_eos=False, compile=False)
     for state, result in zip((gem, full), out):
         ref = structkv.generate(model, ids, max_new_tokens=2, stop_at_eos=False, compile=False, method=state.method)

@@ -149,7 +149,7 @@ def full_kv_bytes(model, n: int, layers=None) -> int:
     cfg = model.config
     per_token = 2 * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
     layers = range(cfg.num_layers) if layers is None else layers
-    return sum(per_token * min(n, cfg.window(i) or n) for i in layers)
+    return sum(per_token * min(n, cfg.sliding_window_at(i) or n) for i in layers)
 
 
 def _summary(values):

@@ -272,9 +272,9 @@ class ReconstructionRetention(Retention):
 def _row(layer, b: int, room: int):
     """A one-row copy of a cache layer with `room` free slots after its entries (a ring stays its
     window): the reconstruction writes a chunk into it, then restores it."""
-    used = layer.capacity if layer.window is not None else int(layer.cursor)
+    used = layer.capacity if layer.sliding_window is not None else int(layer.cursor)
     out = LayerKVCache(1, layer.k.shape[1], used + room, layer.head_dim, layer.k.dtype, layer.k.device,
-                       window=layer.window, kv_dtype=layer.kv_dtype)
+                       sliding_window=layer.sliding_window, kv_dtype=layer.kv_dtype)
     for name in (*layer.planes, "pos"):
         getattr(out, name)[:, :, :used] = getattr(layer, name)[b:b + 1, :, :used]
     out.cursor.copy_(layer.cursor)

@@ -160,7 +160,7 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def build(kind: str, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kept: torch.Tensor) -> ArchiveLayer:
+def pack(kind: str, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kept: torch.Tensor) -> ArchiveLayer:
     """The entries of one layer a selection did not keep: k, v (B, Hkv, n, D), positions (B, n)
     (-1 = padding), kept (B, Hkv, M) the selected column indices (-1 = none)."""
     B, H, n, _ = k.shape

@@ -97,7 +97,7 @@ class ModelConfig:
     def scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
-    def window(self, layer: int) -> int | None:
+    def sliding_window_at(self, layer: int) -> int | None:
         """Sliding window of `layer`, or None for full attention."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 

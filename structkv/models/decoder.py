@@ -66,7 +66,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.window = cfg.window(layer)
+        self.sliding_window = cfg.sliding_window_at(layer)
         self.scale = cfg.scale
         bias = cfg.attention_bias
         self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
@@ -122,8 +122,8 @@ class Attention(nn.Module):
 def self_attention(attn: "Attention", q, k, v, positions: torch.Tensor) -> torch.Tensor:
     """Attention of the tokens over themselves: (B, S, E), blockwise through opaque ops (their
     block arithmetic on a dynamic length would otherwise add shape guards to a compiled prefill)."""
-    if attn.window is not None:
-        out = sliding_window_attention(q, k, v, positions, attn.window, attn.scale)  # (B, Hq, S, D)
+    if attn.sliding_window is not None:
+        out = sliding_window_attention(q, k, v, positions, attn.sliding_window, attn.scale)  # (B, Hq, S, D)
     else:
         out = causal_attention(q, k, v, positions, attn.scale, CAUSAL_BLOCK)  # (B, Hq, S, D)
     B, _, S, _ = out.shape

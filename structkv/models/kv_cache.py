@@ -53,13 +53,13 @@ class LayerKVCache(nn.Module):
     original position of every slot (-1 empty). Every write quantizes once, on the way in."""
 
     def __init__(self, batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype, device,
-                 window: int | None = None, kv_dtype: str | None = None):
+                 sliding_window: int | None = None, kv_dtype: str | None = None):
         super().__init__()
         check_kv_dtype(kv_dtype)
-        self.window = window  # ring buffer of `window` slots when set
+        self.sliding_window = sliding_window  # ring buffer of `window` slots when set
         self.kv_dtype, self.head_dim = kv_dtype, head_dim
-        if window is not None:
-            capacity = window
+        if sliding_window is not None:
+            capacity = sliding_window
         shape = (batch, num_kv_heads, capacity)
         for name, (last, plane_dtype) in self._plane_specs(head_dim, dtype).items():
             self.register_buffer(name, torch.zeros(*shape, last, dtype=plane_dtype, device=device))
@@ -122,12 +122,12 @@ class LayerKVCache(nn.Module):
         token still sees)."""
         if q.shape[2] == 1:
             self.write(k, v, positions)
-            out = self.attend(q, visible(positions, self.pos, attn.window), attn.scale)  # (B, Hq, 1, D)
+            out = self.attend(q, visible(positions, self.pos, attn.sliding_window), attn.scale)  # (B, Hq, 1, D)
             return attn.o_proj(out.reshape(q.shape[0], 1, -1))
         old_k, old_v = self.read(k.dtype)
         new_pos = positions[:, None].expand(-1, k.shape[1], -1)  # (B, Hkv, S)
         keys = (torch.cat([old_k, k], 2), torch.cat([old_v, v], 2), torch.cat([self.pos, new_pos], 2))
-        out = attn.attend(q, keys[0], keys[1], visible(positions, keys[2], attn.window))
+        out = attn.attend(q, keys[0], keys[1], visible(positions, keys[2], attn.sliding_window))
         self.write(k, v, positions)
         return out
 
@@ -135,7 +135,7 @@ class LayerKVCache(nn.Module):
         """Append entries with their own position per head, k, v (B, Hkv, K, D), pos (B, Hkv, K)
         (-1: an empty slot), at the cursor of a full-attention layer (recalled entries)."""
         B, H, K, _ = k.shape
-        if self.window is not None:
+        if self.sliding_window is not None:
             raise ValueError("entries are appended per head only to full-attention layers, not to a ring")
         if int(self.cursor) + K > self.capacity:
             raise ValueError(f"{K} entries do not fit the {self.capacity - int(self.cursor)} free slots")
@@ -147,7 +147,7 @@ class LayerKVCache(nn.Module):
 
     def grown(self, extra: int) -> "LayerKVCache":
         """A copy with `extra` more free slots (a ring is copied as it is)."""
-        if self.window is not None:
+        if self.sliding_window is not None:
             return copy.deepcopy(self)
         used = int(self.cursor)
         out = LayerKVCache(self.pos.shape[0], self.pos.shape[1], round_capacity(self.capacity + extra), self.head_dim,
@@ -173,7 +173,7 @@ class LayerKVCache(nn.Module):
     def fill_planes(self, planes: tuple[torch.Tensor, ...], positions: torch.Tensor) -> None:
         """`fill` with already encoded planes (one per `planes` name, (B, Hkv, S, last))."""
         B, H, S = planes[0].shape[:3]
-        if self.window is not None:
+        if self.sliding_window is not None:
             return self._fill_ring(planes, positions)
         if S > self.capacity:
             raise ValueError(f"{S} entries do not fit a cache of capacity {self.capacity}")
@@ -212,7 +212,7 @@ class LayerKVCache(nn.Module):
         copies the whole buffer every step).
         """
         B, H, S, D = k.shape
-        if self.window is not None:
+        if self.sliding_window is not None:
             if S > self.capacity:  # only the last `window` entries can ever be seen again
                 k, v, positions = k[:, :, -self.capacity:], v[:, :, -self.capacity:], positions[:, -self.capacity:]
                 S = self.capacity
@@ -237,17 +237,17 @@ class LayerKVCache(nn.Module):
         pos = self.pos.index_select(0, rows)  # (R, Hkv, C)
         planes = {name: getattr(self, name).index_select(0, rows) for name in self.planes}
         used = C
-        if self.window is None:
+        if self.sliding_window is None:
             order = (pos < 0).to(torch.int8).argsort(dim=-1, stable=True)  # (R, Hkv, C): entries first
             pos = pos.gather(-1, order)
             planes = {name: x.gather(2, order[..., None].expand_as(x)) for name, x in planes.items()}
             used = int((pos >= 0).sum(-1).max()) if pos.numel() else 0
-        out = LayerKVCache(len(rows), H, C, self.head_dim, self.k.dtype, self.pos.device, window=self.window,
-                           kv_dtype=self.kv_dtype)
+        out = LayerKVCache(len(rows), H, C, self.head_dim, self.k.dtype, self.pos.device,
+                           sliding_window=self.sliding_window, kv_dtype=self.kv_dtype)
         for name, x in planes.items():
             getattr(out, name).copy_(x)
         out.pos.copy_(pos)
-        out.cursor.fill_(used if self.window is None else int(self.cursor))
+        out.cursor.fill_(used if self.sliding_window is None else int(self.cursor))
         return out
 
     def entry_bytes(self) -> int:
@@ -285,7 +285,7 @@ class KVCache(nn.Module):
 
     def free(self) -> int:
         """Tokens that can still be appended to every row (rings never fill)."""
-        return min((layer.capacity - int(layer.cursor) for layer in self.layers if layer.window is None),
+        return min((layer.capacity - int(layer.cursor) for layer in self.layers if layer.sliding_window is None),
                    default=1 << 30)
 
     def clone(self) -> "KVCache":
@@ -306,9 +306,10 @@ class StaticKVCache(KVCache):
 
     def __init__(self, cfg, batch: int, capacity: int, dtype, device, kv_dtype: str | None = None):
         super().__init__()
+        sliding = map(cfg.sliding_window_at, range(cfg.num_layers))
+        rings = [w if w is not None and w < capacity else None for w in sliding]
         self.layers = nn.ModuleList(
-            LayerKVCache(batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype, device,
-                         window=cfg.window(i) if cfg.window(i) is not None and cfg.window(i) < capacity else None,
+            LayerKVCache(batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype, device, sliding_window=rings[i],
                          kv_dtype=kv_dtype)
             for i in range(cfg.num_layers)
         )
@@ -321,45 +322,45 @@ class StackedKVCache(KVCache):
     Full-attention layers are padded to a common capacity (the largest cursor plus `room`, by
     default the smallest free room of the parts, rounded up like every cache) and written at the
     largest cursor: a row with fewer entries keeps empty slots (position -1, never attended to).
-    Sliding layers become rings of the window when any row has one, or when `windows` (the model's
-    window per layer, `ModelConfig.window`) says the padded capacity would pass the window: a row
+    Sliding layers become rings of the window when any row has one, or when `sliding_windows` (the model's
+    window per layer, `ModelConfig.sliding_window_at`) says the padded capacity would pass the window: a row
     whose layer is not a ring holds fewer than `window` positions, all of which fit the ring.
     """
 
-    def __init__(self, caches: list, room: int | None = None, windows: list[int | None] | None = None):
+    def __init__(self, caches: list, room: int | None = None, sliding_windows: list[int | None] | None = None):
         super().__init__()
         if not caches:
             raise ValueError("nothing to stack: give at least one cache")
         if len({len(c.layers) for c in caches}) != 1:
             raise ValueError("caches of different models (layer counts differ) cannot be stacked")
-        windows = windows or [None] * len(caches[0].layers)
-        self.layers = nn.ModuleList(_stack_layer([c.layers[i] for c in caches], room, windows[i])
+        sliding_windows = sliding_windows or [None] * len(caches[0].layers)
+        self.layers = nn.ModuleList(_stack_layer([c.layers[i] for c in caches], room, sliding_windows[i])
                                     for i in range(len(caches[0].layers)))
         self.rows = [c.layers[0].k.shape[0] for c in caches]
 
 
-def _stack_layer(parts: list[LayerKVCache], room: int | None = None, window: int | None = None) -> LayerKVCache:
+def _stack_layer(parts: list[LayerKVCache], room: int | None = None, sliding_window: int | None = None) -> LayerKVCache:
     first = parts[0]
     _, H, _, _ = first.k.shape
     D, dtype, kv = first.head_dim, first.k.dtype, first.kv_dtype
     if any(p.k.shape[1] != H or p.head_dim != D or p.k.dtype != dtype or p.kv_dtype != kv for p in parts):
         raise ValueError("caches with different KV heads, head dims, dtypes or kv_dtypes cannot be stacked")
     batch = sum(p.k.shape[0] for p in parts)
-    windows = {p.window for p in parts if p.window is not None}
-    if len(windows) > 1:
-        raise ValueError(f"sliding layers with different windows {sorted(windows)} cannot be stacked")
-    flat = [p for p in parts if p.window is None]
+    sliding_windows = {p.sliding_window for p in parts if p.sliding_window is not None}
+    if len(sliding_windows) > 1:
+        raise ValueError(f"sliding layers with different windows {sorted(sliding_windows)} cannot be stacked")
+    flat = [p for p in parts if p.sliding_window is None]
     cursor = max((int(p.cursor) for p in flat), default=0)
     if room is None:
         room = min((p.capacity - int(p.cursor) for p in flat), default=0)
-    if not windows and window is not None and cursor + room > window:
-        windows = {window}  # plain buffers so far, but the stacked one would see past the window
-    if windows:
-        out = LayerKVCache(batch, H, 0, D, dtype, first.k.device, window=windows.pop(), kv_dtype=kv)
+    if not sliding_windows and sliding_window is not None and cursor + room > sliding_window:
+        sliding_windows = {sliding_window}  # plain buffers so far, but the stacked one would see past the window
+    if sliding_windows:
+        out = LayerKVCache(batch, H, 0, D, dtype, first.k.device, sliding_window=sliding_windows.pop(), kv_dtype=kv)
         row = 0
         for p in parts:
             b = p.k.shape[0]
-            ring = LayerKVCache(b, H, 0, D, dtype, p.k.device, window=out.window, kv_dtype=kv)
+            ring = LayerKVCache(b, H, 0, D, dtype, p.k.device, sliding_window=out.sliding_window, kv_dtype=kv)
             # sliding layers hold the same positions in every head
             ring._fill_ring(tuple(getattr(p, name) for name in p.planes), p.pos[:, 0])
             for name in (*out.planes, "pos"):

@@ -73,7 +73,7 @@ def check_finite(state_dict: dict[str, torch.Tensor], source: str, chunk: int = 
                                  "(re-download it), or load it anyway with check_weights=False")
 
 
-def build(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
+def assemble(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
           device: torch.device, source: str, tp=None) -> Decoder:
     """Meta-device construction + strict, shape-checked `assign` load. With `tp` (a
     `structkv.distributed.TensorParallel`), `state_dict` holds this rank's shards and the model is
@@ -158,7 +158,7 @@ def load_folder(folder: Path, *, dtype=None, device="cpu", check_weights: bool =
     state_dict = _read_safetensors(folder, tp)
     if check_weights:
         check_finite(state_dict, str(folder))
-    model = build(cfg, state_dict, dtype=dtype, device=device, source=str(folder), tp=tp)
+    model = assemble(cfg, state_dict, dtype=dtype, device=device, source=str(folder), tp=tp)
     tok_path = folder / "tokenizer.json"
     if tok_path.exists():
         model.tokenizer = Tokenizer.from_file(tok_path, bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids,
@@ -200,7 +200,7 @@ def load_gguf(path: Path, *, dtype=None, device="cpu", tp=None) -> Decoder:
                                   "set STRUCTKV_CACHE to a writable folder") from None
     cfg = ModelConfig.from_dict(json.loads((cached / "structkv_config.json").read_text()))
     dtype, device = _resolve_dtype(dtype, cfg), _resolve_device(device)
-    model = build(cfg, _read_file(cached / "model.safetensors", tp), dtype=dtype, device=device, source=str(path),
+    model = assemble(cfg, _read_file(cached / "model.safetensors", tp), dtype=dtype, device=device, source=str(path),
                   tp=tp)
     meta = json.loads((cached / "tokenizer_meta.json").read_text())
     model.tokenizer = Tokenizer.from_file(cached / "tokenizer.json", **meta)

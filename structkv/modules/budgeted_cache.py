@@ -29,8 +29,9 @@ class BudgetedKVCache(KVCache):
         super().__init__()
         if len(capacities) != len(rings):
             raise ValueError(f"need one ring setting per layer: {len(capacities)} capacities, {len(rings)} rings")
-        self.layers = nn.ModuleList(LayerKVCache(batch, num_kv_heads, capacity, head_dim, dtype, device, window=ring,
-                                                 kv_dtype=kv_dtype) for capacity, ring in zip(capacities, rings))
+        self.layers = nn.ModuleList(LayerKVCache(batch, num_kv_heads, capacity, head_dim, dtype, device,
+                                                 sliding_window=ring, kv_dtype=kv_dtype)
+                                    for capacity, ring in zip(capacities, rings))
         # `archive_kind` set (`structkv.models.archive`): what each selection drops is kept in `evicted`
         # (layer -> ArchiveLayer), taken out by the prefill into its state's archive
         self.archive_kind, self.evicted = None, {}
@@ -45,9 +46,9 @@ class BudgetedKVCache(KVCache):
         `num_kv_heads` and `head_dim`)."""
         if len(budgets) != cfg.num_layers:
             raise ValueError(f"need one budget per layer ({cfg.num_layers}), got {len(budgets)}")
-        window = getattr(cfg, "window", lambda i: None)
-        windows = [window(i) for i in range(cfg.num_layers)]
-        rings = [w if w is not None and w < b + room else None for w, b in zip(windows, budgets)]
+        sliding_window = getattr(cfg, "sliding_window_at", lambda i: None)
+        sliding_windows = [sliding_window(i) for i in range(cfg.num_layers)]
+        rings = [w if w is not None and w < b + room else None for w, b in zip(sliding_windows, budgets)]
         return cls(batch, num_kv_heads or cfg.num_kv_heads, head_dim or cfg.head_dim,
                    [round_capacity(b + room) for b in budgets], rings, dtype, device, kv_dtype)
 
@@ -57,13 +58,13 @@ class BudgetedKVCache(KVCache):
         selected ones, indices (B, Hkv, M) sorted with -1 left padding. `check`: validate the index
         lists (a host sync; callers that built them with `select_tokens` may skip it)."""
         cache = self.layers[layer]
-        if indices is None or cache.window is not None:
+        if indices is None or cache.sliding_window is not None:
             cache.fill(k, v, positions)
             return
         if self.archive_kind is not None:
-            from ..models.archive import build
+            from ..models.archive import pack
 
-            self.evicted[layer] = build(self.archive_kind, k, v, positions, indices)
+            self.evicted[layer] = pack(self.archive_kind, k, v, positions, indices)
         indices, planes, half = pads_last(indices), cache.encode(k, v), len(cache.planes) // 2
         names = cache.planes
         for i in range(half):  # codes, then each scale table: the same gather

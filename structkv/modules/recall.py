@@ -42,7 +42,7 @@ class RecallLayer:
     recalls the best `keep[b]` context entries of each row into `answer` (a grown copy of the hot
     layer), then appends the question. `stats` collects what it did (entries recalled, bytes read)."""
 
-    window = None  # archived layers are full-attention layers
+    sliding_window = None  # archived layers are full-attention layers
 
     def __init__(self, answer, archive, keep: list[int], stats: dict, tile: int = TILE, kernel: int = KERNEL):
         self.answer, self.archive, self.keep, self.stats, self.tile = answer, archive, keep, stats, tile

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 
-def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
     """Which keys each query may attend to, from original positions.
 
     q_pos: (B, S); k_pos: (B, T) or (B, Hkv, T), -1 for padding / empty slots.
@@ -26,15 +26,15 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> tor
     q = q_pos[:, None, :, None]  # (B, 1, S, 1)
     k = k_pos[:, :, None, :]  # (B, H, 1, T)
     mask = (k >= 0) & (k <= q)
-    if window is not None:
-        mask = mask & (q - k < window)
+    if sliding_window is not None:
+        mask = mask & (q - k < sliding_window)
     return mask
 
 
 SLIDING_BLOCK = 32  # queries per block of sliding-window prefill
 
 
-def sliding_self_attention(q, k, v, positions: torch.Tensor, window: int, scale: float,
+def sliding_self_attention(q, k, v, positions: torch.Tensor, sliding_window: int, scale: float,
                            block: int = SLIDING_BLOCK) -> torch.Tensor:
     """Self-attention of a sliding-window layer in blocks of `block` queries over the `window` +
     `block` keys that can reach them: O(S * (W + block)), not O(S^2).
@@ -50,7 +50,7 @@ def sliding_self_attention(q, k, v, positions: torch.Tensor, window: int, scale:
     dynamic in S.
     """
     B, Hq, S, D = q.shape
-    Hkv, W = k.shape[1], window
+    Hkv, W = k.shape[1], sliding_window
     if S <= W + block:  # short: one masked call reads no more pairs than the blocks would
         mask = visible(positions, positions, W)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -70,9 +70,9 @@ def sliding_self_attention(q, k, v, positions: torch.Tensor, window: int, scale:
 
 
 @torch.library.custom_op("structkv::sliding_window_attention", mutates_args=())
-def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int,
-                scale: float) -> torch.Tensor:
-    return sliding_self_attention(q, k, v, positions, window, scale).contiguous()
+def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                             sliding_window: int, scale: float) -> torch.Tensor:
+    return sliding_self_attention(q, k, v, positions, sliding_window, scale).contiguous()
 
 
 def _shaped_like_q(q, *args):

@@ -42,7 +42,7 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _build(compiler: str) -> Path:
+def _compile_library(compiler: str) -> Path:
     """The shared library for this source, flags, compiler and CPU, built once (atomically)."""
     from ..util.fetch import cache_root
     from ..util.files import write_atomic
@@ -72,7 +72,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     if compiler is None:
         return None, "no C compiler (cc, gcc or clang; or $CC) on PATH"
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_compile_library(compiler)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, f"the CPU decode kernel could not be built: {e}"
     fn = lib.structkv_decode_attention

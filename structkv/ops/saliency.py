@@ -26,13 +26,13 @@ import torch
 CHUNK = 1024  # keys per chunk in the CPU reference
 
 
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int) -> torch.Tensor:
     """(B, 1, 1, w, n) bool from q_pos (B, w) and k_pos (B, n); window <= 0 means none."""
     q = q_pos[:, None, None, :, None]
     k = k_pos[:, None, None, None, :]
     vis = (k >= 0) & (k <= q)
-    if window > 0:
-        vis = vis & (q - k < window)
+    if sliding_window > 0:
+        vis = vis & (q - k < sliding_window)
     return vis
 
 
@@ -44,7 +44,7 @@ def _logits(qg: torch.Tensor, k: torch.Tensor, scale: float, softcap: float) -> 
     return x
 
 
-def window_scores_reference(q, k, q_pos, k_pos, scale: float, window: int = 0, softcap: float = 0.0,
+def window_scores_reference(q, k, q_pos, k_pos, scale: float, sliding_window: int = 0, softcap: float = 0.0,
                             chunk: int = CHUNK, entropy: bool = True):
     """Chunked two-pass reference; see the module docstring. Returns (saliency, entropy) float32,
     entropy (B, Hq, 0) unless asked for (its accumulator is then skipped)."""
@@ -57,7 +57,7 @@ def window_scores_reference(q, k, q_pos, k_pos, scale: float, window: int = 0, s
     e = torch.zeros(B, Hkv, G, w)
     for s in range(0, N, chunk):  # pass 1: online max, sum of exp, sum of exp * logit
         x = _logits(qg, k[:, :, s:s + chunk], scale, softcap)  # (B, Hkv, G, w, c)
-        hidden = ~_visible(q_pos, k_pos[:, s:s + chunk], window)
+        hidden = ~_visible(q_pos, k_pos[:, s:s + chunk], sliding_window)
         x.masked_fill_(hidden, float("-inf"))
         m_new = torch.maximum(m, x.amax(-1))
         m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
@@ -74,18 +74,18 @@ def window_scores_reference(q, k, q_pos, k_pos, scale: float, window: int = 0, s
     saliency = torch.zeros(B, Hkv, N)
     for s in range(0, N, chunk):  # pass 2: normalised probabilities, summed over group and window
         x = _logits(qg, k[:, :, s:s + chunk], scale, softcap)
-        x.masked_fill_(~_visible(q_pos, k_pos[:, s:s + chunk], window), float("-inf"))
+        x.masked_fill_(~_visible(q_pos, k_pos[:, s:s + chunk], sliding_window), float("-inf"))
         saliency[:, :, s:s + chunk] = x.sub_(lse[..., None]).exp_().sum(dim=(2, 3)).div_(w)
     return saliency, ent
 
 
-def window_scores_naive(q, k, q_pos, k_pos, scale: float, window: int = 0, softcap: float = 0.0):
+def window_scores_naive(q, k, q_pos, k_pos, scale: float, sliding_window: int = 0, softcap: float = 0.0):
     """Materialises the full (B, Hq, w, N) softmax: the definition, for tests and benchmarks."""
     B, Hq, w, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
     x = _logits(q.float().reshape(B, Hkv, G, w, D), k, scale, softcap)
-    vis = _visible(q_pos, k_pos, window)
+    vis = _visible(q_pos, k_pos, sliding_window)
     x = torch.where(vis, x, torch.tensor(float("-inf")))
     p = torch.nan_to_num(torch.softmax(x, -1), nan=0.0)  # rows with no visible key -> 0
     logp = torch.where(p > 0, torch.log(p), torch.zeros_like(p))
@@ -95,22 +95,22 @@ def window_scores_naive(q, k, q_pos, k_pos, scale: float, window: int = 0, softc
 
 @torch.library.custom_op("structkv::window_scores", mutates_args=(), device_types=None)
 def _window_scores_op(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float,
-                      window: int, softcap: float, entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                      sliding_window: int, softcap: float, entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if q.device.type == "cuda":
         from .triton_kernels import window_scores_triton
 
-        return window_scores_triton(q, k, q_pos, k_pos, scale, window, softcap, entropy)
-    return window_scores_reference(q, k, q_pos, k_pos, scale, window, softcap, entropy=entropy)
+        return window_scores_triton(q, k, q_pos, k_pos, scale, sliding_window, softcap, entropy)
+    return window_scores_reference(q, k, q_pos, k_pos, scale, sliding_window, softcap, entropy=entropy)
 
 
 @_window_scores_op.register_fake
-def _(q, k, q_pos, k_pos, scale, window, softcap, entropy):
+def _(q, k, q_pos, k_pos, scale, sliding_window, softcap, entropy):
     B, Hq, w, _ = q.shape
     return (q.new_empty((B, k.shape[1], k.shape[2]), dtype=torch.float32),
             q.new_empty((B, Hq, w if entropy else 0), dtype=torch.float32))
 
 
-def _check(q, k, q_pos, k_pos, window, softcap):
+def _check(q, k, q_pos, k_pos, sliding_window, softcap):
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q must be (B, Hq, w, D) and k (B, Hkv, N, D); got {tuple(q.shape)} and {tuple(k.shape)}")
     B, Hq, w, D = q.shape
@@ -127,14 +127,14 @@ def _check(q, k, q_pos, k_pos, window, softcap):
         raise ValueError(f"positions must be integer tensors, got {q_pos.dtype} and {k_pos.dtype}")
     if len({q.device, k.device, q_pos.device, k_pos.device}) != 1:
         raise ValueError("q, k, q_pos and k_pos must be on one device")
-    if window is not None and window < 1:
-        raise ValueError(f"sliding window must be a positive int or None, got {window}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding window must be a positive int or None, got {sliding_window}")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be positive or None, got {softcap}")
 
 
 def window_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, *,
-                  scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                  scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
                   entropy: bool = False):
     """Window-attention saliency per KV head (and, when asked, the entropy per window query).
 
@@ -153,8 +153,8 @@ def window_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: 
             query row with a visible key contributes mass 1, so a KV head's row sums to <= G.
         entropy (B, Hq, w) float32: natural-log entropy of each query's attention distribution.
     """
-    _check(q, k, q_pos, k_pos, window, softcap)
+    _check(q, k, q_pos, k_pos, sliding_window, softcap)
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    sal, ent = _window_scores_op(q, k, q_pos.long(), k_pos.long(), scale, int(window or 0), float(softcap or 0.0),
-                                 bool(entropy))
+    sal, ent = _window_scores_op(q, k, q_pos.long(), k_pos.long(), scale, int(sliding_window or 0),
+                                 float(softcap or 0.0), bool(entropy))
     return (sal, ent) if entropy else sal

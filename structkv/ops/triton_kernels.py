@@ -18,20 +18,20 @@ import triton.language as tl
 
 
 @triton.jit
-def _logits_tile(q, k, qp, kp, scale, window, softcap, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+def _logits_tile(q, k, qp, kp, scale, sliding_window, softcap, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """(BLOCK_W, BLOCK_N) float32 logits and visibility for a q tile and a k tile."""
     x = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     if HAS_SOFTCAP:
         x = softcap * (2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0)  # softcap * tanh(x / softcap)
     vis = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None])
     if HAS_WINDOW:
-        vis = vis & (qp[:, None] - kp[None, :] < window)
+        vis = vis & (qp[:, None] - kp[None, :] < sliding_window)
     return x, vis
 
 
 @triton.jit
 def _window_stats(Q, K, QPOS, KPOS, LSE, ENT,
-                  Hq, W, N, D, scale, window, softcap,
+                  Hq, W, N, D, scale, sliding_window, softcap,
                   sqb, sqh, sqw, sqd, skb, skh, skn, skd, sqpb, sqpw, skpb, skpn,
                   GROUP: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr):
@@ -53,7 +53,7 @@ def _window_stats(Q, K, QPOS, KPOS, LSE, ENT,
         k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd,
                     mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
         kp = tl.load(KPOS + b * skpb + offs_n * skpn, mask=n_ok, other=-1)
-        x, vis = _logits_tile(q, k, qp, kp, scale, window, softcap, HAS_WINDOW, HAS_SOFTCAP)
+        x, vis = _logits_tile(q, k, qp, kp, scale, sliding_window, softcap, HAS_WINDOW, HAS_SOFTCAP)
         x_masked = tl.where(vis, x, float("-inf"))
         m_new = tl.maximum(m, tl.max(x_masked, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -74,7 +74,7 @@ def _window_stats(Q, K, QPOS, KPOS, LSE, ENT,
 
 @triton.jit
 def _window_saliency(Q, K, QPOS, KPOS, LSE, SAL,
-                     Hq, Hkv, W, N, D, scale, window, softcap,
+                     Hq, Hkv, W, N, D, scale, sliding_window, softcap,
                      sqb, sqh, sqw, sqd, skb, skh, skn, skd, sqpb, sqpw, skpb, skpn,
                      GROUP: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr):
@@ -96,7 +96,7 @@ def _window_saliency(Q, K, QPOS, KPOS, LSE, SAL,
                         mask=w_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
             qp = tl.load(QPOS + b * sqpb + offs_w * sqpw, mask=w_ok, other=-1)
             lse = tl.load(LSE + (b * Hq + h) * W + offs_w, mask=w_ok, other=float("inf"))
-            x, vis = _logits_tile(q, k, qp, kp, scale, window, softcap, HAS_WINDOW, HAS_SOFTCAP)
+            x, vis = _logits_tile(q, k, qp, kp, scale, sliding_window, softcap, HAS_WINDOW, HAS_SOFTCAP)
             p = tl.where(vis, tl.exp(x - lse[:, None]), 0.0)
             acc += tl.sum(p, 0)
     tl.store(SAL + pid * N + offs_n, acc / W, mask=n_ok)
@@ -109,7 +109,7 @@ def _blocks(w: int, d: int):
     return block_w, block_n, block_d
 
 
-def window_scores_triton(q, k, q_pos, k_pos, scale: float, window: int, softcap: float, entropy: bool = True):
+def window_scores_triton(q, k, q_pos, k_pos, scale: float, sliding_window: int, softcap: float, entropy: bool = True):
     """Launch both passes. q (B, Hq, w, D), k (B, Hkv, N, D), q_pos (B, w), k_pos (B, N) int64.
 
     Returns saliency (B, Hkv, N) and entropy (B, Hq, w) (B, Hq, 0) unless `entropy`), float32;
@@ -127,11 +127,11 @@ def window_scores_triton(q, k, q_pos, k_pos, scale: float, window: int, softcap:
     block_w, block_n, block_d = _blocks(W, D)
     strides = (*q.stride(), *k.stride(), *q_pos.stride(), *k_pos.stride())
     flags = dict(GROUP=Hq // Hkv, BLOCK_W=block_w, BLOCK_N=block_n, BLOCK_D=block_d,
-                 HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, WITH_ENTROPY=entropy)
+                 HAS_WINDOW=sliding_window > 0, HAS_SOFTCAP=softcap > 0, WITH_ENTROPY=entropy)
     _window_stats[(B * Hq, triton.cdiv(W, block_w))](
-        q, k, q_pos, k_pos, lse, ent, Hq, W, N, D, scale, window, softcap, *strides, **flags)
+        q, k, q_pos, k_pos, lse, ent, Hq, W, N, D, scale, sliding_window, softcap, *strides, **flags)
     _window_saliency[(B * Hkv, triton.cdiv(N, block_n))](
-        q, k, q_pos, k_pos, lse, sal, Hq, Hkv, W, N, D, scale, window, softcap, *strides, **flags)
+        q, k, q_pos, k_pos, lse, sal, Hq, Hkv, W, N, D, scale, sliding_window, softcap, *strides, **flags)
     return sal, ent
 
 

@@ -381,7 +381,7 @@ def _extend_state(model, state, question, max_new_tokens, recall=None, stats: di
                          f"new tokens exceed the model's {model.config.max_position_embeddings} positions; "
                          "ask for fewer tokens or compress a shorter context")
     B = state.logits.shape[0]
-    free = min(layer.capacity - int(layer.cursor) for layer in state.cache.layers if layer.window is None)
+    free = min(layer.capacity - int(layer.cursor) for layer in state.cache.layers if layer.sliding_window is None)
     if len(ids) + max_new_tokens > free:
         raise ValueError(f"question ({len(ids)} tokens) + {max_new_tokens} new tokens exceed the {free} free cache "
                          "slots of this state; call structkv.prefill(model, context, method, room=...) with more room")

@@ -34,7 +34,7 @@ def save_state(state, path) -> None:
     for i, layer in enumerate(state.cache.layers):
         for name in (*layer.planes, "pos", "cursor"):
             tensors[f"hot.{i}.{name}"] = getattr(layer, name)
-        layout.append({"window": layer.window, "capacity": layer.capacity, "head_dim": layer.head_dim,
+        layout.append({"window": layer.sliding_window, "capacity": layer.capacity, "head_dim": layer.head_dim,
                        "kv_dtype": layer.kv_dtype})
     archive = state.archive
     meta = {"format": STATE_FORMAT, "layout": json.dumps(layout), "lengths": json.dumps(state.lengths),
@@ -63,7 +63,7 @@ def load_state(path, model, method):
         for i, spec in enumerate(json.loads(meta["layout"])):
             first = tensors[f"hot.{i}.pos"]
             layer = LayerKVCache(first.shape[0], first.shape[1], spec["capacity"], spec["head_dim"],
-                                 model.dtype, model.device, window=spec["window"], kv_dtype=spec["kv_dtype"])
+                                 model.dtype, model.device, sliding_window=spec["window"], kv_dtype=spec["kv_dtype"])
             for name in (*layer.planes, "pos", "cursor"):
                 getattr(layer, name).copy_(tensors[f"hot.{i}.{name}"])
             layers.append(layer)

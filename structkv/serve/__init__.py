@@ -9,8 +9,8 @@ Needs the `serve` extra: pip install "structkv[serve]".
 from __future__ import annotations
 
 
-def build(model, settings, *, max_request_bytes: int = 16 << 20, api_key: str | None = None, allowed_hosts=None,
-          allowed_origins=(), body_timeout_s: float = 30.0):
+def app_for(model, settings, *, max_request_bytes: int = 16 << 20, api_key: str | None = None, allowed_hosts=None,
+            allowed_origins=(), body_timeout_s: float = 30.0):
     """An ASGI app serving `model` with `settings` (an `engine.Settings`); `api_key`,
     `allowed_hosts` (None: any), `allowed_origins`: who may call it (`structkv.serve.guard`)."""
     from .app import make_app

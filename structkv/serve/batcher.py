@@ -85,7 +85,7 @@ class Batch:
         self.running: Decoding | None = None  # the rows fed at the last step: stacked cache, logits, positions
         self.joining: list[Row] = []  # rows added since the last step: their own caches, not stacked yet
         cfg = model.config
-        self.windows = [cfg.window(i) for i in range(cfg.num_layers)]
+        self.sliding_windows = [cfg.sliding_window_at(i) for i in range(cfg.num_layers)]
         self.eos = set(eos_ids(model))
 
     @property
@@ -147,5 +147,5 @@ class Batch:
                 positions.append(started.next_pos)
         rows = self.rows + self.joining
         room = max(rows[i].remaining for i in keep) + 1  # every row's tokens still to feed fit
-        cache = StackedKVCache(parts, room=room, windows=self.windows)
+        cache = StackedKVCache(parts, room=room, sliding_windows=self.sliding_windows)
         self.running = Decoding(self.model, cache, None, torch.cat(positions), self.step_fn)  # positions (R, 1)

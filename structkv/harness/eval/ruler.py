@@ -357,7 +357,7 @@ def _question(prompt: str, context: str) -> str:
 # ------------------------------------------------------------------------------ sizing
 
 
-def _build(name: str, index: int, size: int, seed: int, length: int, root, tokenizer):
+def _make_prompt(name: str, index: int, size: int, seed: int, length: int, root, tokenizer):
     task = ALL_TASKS[name]
     if task.opt("many"):  # one context per MANY samples, each asking one of its keys
         return _niah_sample(task, random.Random(f"{seed}/{name}/{length}/{index // MANY}"), size, root, index % MANY)
@@ -401,7 +401,7 @@ def generate(task: str, tokenizer, length: int, samples: int, *, seed: int = 42,
     def tokens_at(index, size):
         if spec.opt("many"):  # the context is sized once, by its first question: all its questions share it
             index -= index % MANY
-        prompt, prefix, _, _ = _build(task, index, size, seed, length, root, tokenizer)
+        prompt, prefix, _, _ = _make_prompt(task, index, size, seed, length, root, tokenizer)
         return len(tokenizer.encode(prompt + prefix))
 
     records = []
@@ -420,7 +420,7 @@ def generate(task: str, tokenizer, length: int, samples: int, *, seed: int = 42,
         while hi - lo > 1:  # largest size that fits
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if tokens_at(index, mid) <= budget else (lo, mid)
-        prompt, prefix, answers, question = _build(task, index, lo, seed, length, root, tokenizer)
+        prompt, prefix, answers, question = _make_prompt(task, index, lo, seed, length, root, tokenizer)
         text = prompt + prefix
         records.append({"index": index, "task": task, "input": text, "question": question + prefix,
                         "outputs": answers,
