@@ -30,7 +30,7 @@ def commit(tree: Path) -> str:
 def one_run(tree: Path, bench_args: list[str], out: Path) -> list[dict]:
     """One `structkv bench` in `tree`: its rows (method, prefill_s, decode_tokens_per_s, ...)."""
     env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
-    cmd = [sys.executable, "-m", "structkv.cli", "bench", *bench_args, "--out", str(out)]
+    cmd = [sys.executable, "-m", "structkv.cli", "bench", *bench_args, "--out", str(out.resolve())]
     subprocess.run(cmd, env=env, check=True, cwd=tree, stdout=subprocess.DEVNULL)
     return json.loads((out / "bench.json").read_text())["rows"]
 

@@ -98,7 +98,7 @@ def _generate(args) -> int:
         model.use_int8_head()
     compile_mode = {"auto": "auto", "always": True, "never": False}[args.compile if not args.eager else "never"]
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, compile=compile_mode, seed=args.seed)
+                    top_p=args.top_p, compile=compile_mode, seed=args.seed, max_kv_tokens=_decode_bound(args))
     system = [{"role": "system", "content": args.system}] if args.system else []
     if not args.question:
         if args.archive not in (None, "none") or args.recall or args.archive_dir:
@@ -127,6 +127,17 @@ def _generate(args) -> int:
         else:
             _stream_one(model, args, q, state=state, **sampling)
     return 0
+
+
+def _decode_bound(args):
+    """--max-kv-tokens / --decode-evict as a `DecodeBound` (None without a bound)."""
+    from structkv.modules import DecodeBound
+
+    if args.max_kv_tokens is None:
+        if args.decode_evict is not None:
+            raise ValueError("--decode-evict chooses what a bound evicts: give --max-kv-tokens N with it")
+        return None
+    return DecodeBound(args.max_kv_tokens, args.decode_evict or "window")
 
 
 def _rank() -> int:
@@ -410,6 +421,13 @@ def main(argv=None) -> int:
                         "or a count (default 0.1)")
     g.add_argument("--archive-dir", default=None,
                    help="write the archive to a file in this folder (memory-mapped) instead of RAM")
+    g.add_argument("--max-kv-tokens", type=_positive_int, default=None,
+                   help="bound every layer's KV entries while generating: a layer about to pass N evicts down "
+                        "to a lower mark (sinks and the latest entries stay; docs/methods.md, 'A KV bound while "
+                        "generating')")
+    g.add_argument("--decode-evict", choices=("window", "redundancy", "recent"), default=None,
+                   help="with --max-kv-tokens: what goes first (default window: the least attended by the latest "
+                        "generated tokens)")
     g.add_argument("--model", default="gemma-3-270m",
                    help="alias (gemma-3-270m, smollm2), HF folder, .gguf file or Hub id")
     g.add_argument("--chat", action="store_true",

@@ -144,6 +144,21 @@ def test_threads_and_int8_kv_entries(byte_model, byte_model_dir, capsys):
     assert out == structkv.generate(byte_model, "Hello there", max_new_tokens=12, compile=False).text + "\n"
 
 
+def test_a_kv_bound_while_generating(byte_model, byte_model_dir, capsys):
+    from structkv.modules import DecodeBound
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 2
+    args = ("--max-new-tokens", "60", "--max-kv-tokens", "64", "--decode-evict", "recent", "--no-stream")
+    assert main(["generate", "--model", str(byte_model_dir), prompt, *args]) == 0
+    out, err = capsys.readouterr()
+    expected = structkv.generate(byte_model, prompt, max_new_tokens=60, compile=False,
+                                 max_kv_tokens=DecodeBound(64, "recent"))
+    assert out == expected.text + "\n"
+    assert "KV bound 64 per layer (recent): peak 64 entries" in err
+    assert _gen(byte_model_dir, "Hi", "--decode-evict", "window") == 2
+    assert "give --max-kv-tokens N with it" in capsys.readouterr().err
+
+
 def test_generate_and_serve_wait_passively_unless_told(byte_model_dir, monkeypatch, capsys, tmp_path):
     """OMP_WAIT_POLICY=PASSIVE for the commands that share the machine (set before torch would
     read it in a fresh process); an explicit setting wins; eval keeps OpenMP's default."""

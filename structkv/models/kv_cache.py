@@ -71,6 +71,7 @@ class LayerKVCache(nn.Module):
         # the CPU decode kernel (built on first use; False: PyTorch's SDPA), asked here, outside
         # any compiled step, so the step sees a constant
         self.kernel = self.pos.device.type == "cpu" and cpu_decode.available()
+        self.query_slots = 0  # > 0: the last decode queries are kept (`keep_queries`, a decode-time KV bound)
 
     def _plane_specs(self, head_dim: int, dtype) -> dict:
         """name -> (last dimension, dtype) of every plane, k's then v's."""
@@ -121,6 +122,8 @@ class LayerKVCache(nn.Module):
         entries + new and are written after (a ring could otherwise overwrite keys an earlier new
         token still sees)."""
         if q.shape[2] == 1:
+            if self.query_slots:
+                self._keep_query(q * attn.scale, positions)
             self.write(k, v, positions)
             out = self.attend(q, visible(positions, self.pos, attn.sliding_window), attn.scale)  # (B, Hq, 1, D)
             return attn.o_proj(out.reshape(q.shape[0], 1, -1))
@@ -129,6 +132,52 @@ class LayerKVCache(nn.Module):
         keys = (torch.cat([old_k, k], 2), torch.cat([old_v, v], 2), torch.cat([self.pos, new_pos], 2))
         out = attn.attend(q, keys[0], keys[1], visible(positions, keys[2], attn.sliding_window))
         self.write(k, v, positions)
+        return out
+
+    def keep_queries(self, slots: int, num_heads: int) -> None:
+        """Keep the last `slots` decode queries, already scaled, in a ring: q_recent (B, Hq, slots,
+        D) float32 and q_pos (B, slots) (-1 empty). What a decode-time eviction scores the entries
+        with (`structkv.modules.decode_bound`: SnapKV's observation window, on generated tokens)."""
+        if self.query_slots == slots:
+            return
+        B, device = self.pos.shape[0], self.pos.device
+        self.query_slots = slots
+        self.register_buffer("q_recent", torch.zeros(B, num_heads, slots, self.head_dim, device=device))
+        self.register_buffer("q_pos", torch.full((B, slots), -1, dtype=torch.long, device=device))
+
+    def _keep_query(self, q: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write one scaled query per row, q (B, Hq, 1, D) at positions (B, 1), into the ring."""
+        B, Hq = q.shape[:2]
+        slot = torch.remainder(positions, self.query_slots)  # (B, 1)
+        rows = torch.arange(B, device=q.device).view(B, 1)
+        heads = torch.arange(Hq, device=q.device).view(1, Hq, 1)
+        self.q_recent.index_put_((rows[:, None], heads, slot[:, None]), q.float())  # (B, Hq, 1) <- (B, Hq, 1, D)
+        self.q_pos.index_put_((rows, slot), positions)
+
+    def compact(self) -> None:
+        """Move each (row, head)'s entries to the front of a full-attention layer, in their order,
+        empty slots after them; the cursor becomes the most entries any of them holds (attention
+        reads positions, not slot order, so nothing it computes changes). Rings stay as they are."""
+        if self.sliding_window is not None:
+            return
+        order = (self.pos < 0).to(torch.int8).argsort(dim=-1, stable=True)  # (B, Hkv, C): entries first
+        for name in self.planes:
+            x = getattr(self, name)
+            x.copy_(x.gather(2, order[..., None].expand_as(x)))
+        self.pos.copy_(self.pos.gather(-1, order))
+        self.cursor.fill_(int((self.pos >= 0).sum(-1).max()) if self.pos.numel() else 0)
+
+    def resized(self, capacity: int) -> "LayerKVCache":
+        """A compacted copy of a full-attention layer with `capacity` slots (it must hold the entries)."""
+        self.compact()
+        used = int(self.cursor)
+        if used > capacity:
+            raise ValueError(f"{used} entries per head do not fit {capacity} slots")
+        out = LayerKVCache(self.pos.shape[0], self.pos.shape[1], capacity, self.head_dim, self.k.dtype,
+                           self.pos.device, kv_dtype=self.kv_dtype)
+        for name in (*self.planes, "pos"):
+            getattr(out, name)[:, :, :used] = getattr(self, name)[:, :, :used]
+        out.cursor.fill_(used)
         return out
 
     def append_entries(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
@@ -233,21 +282,12 @@ class LayerKVCache(nn.Module):
         head)'s entries move to the front in their order, empty slots after them, and the cursor
         becomes the most entries any of them holds, so a batch that keeps running does not keep
         the slots of rows that left (attention reads positions, not slot order). Rings are copied."""
-        H, C = self.pos.shape[1:]
-        pos = self.pos.index_select(0, rows)  # (R, Hkv, C)
-        planes = {name: getattr(self, name).index_select(0, rows) for name in self.planes}
-        used = C
-        if self.sliding_window is None:
-            order = (pos < 0).to(torch.int8).argsort(dim=-1, stable=True)  # (R, Hkv, C): entries first
-            pos = pos.gather(-1, order)
-            planes = {name: x.gather(2, order[..., None].expand_as(x)) for name, x in planes.items()}
-            used = int((pos >= 0).sum(-1).max()) if pos.numel() else 0
-        out = LayerKVCache(len(rows), H, C, self.head_dim, self.k.dtype, self.pos.device,
+        out = LayerKVCache(len(rows), self.pos.shape[1], self.capacity, self.head_dim, self.k.dtype, self.pos.device,
                            sliding_window=self.sliding_window, kv_dtype=self.kv_dtype)
-        for name, x in planes.items():
-            getattr(out, name).copy_(x)
-        out.pos.copy_(pos)
-        out.cursor.fill_(used if self.sliding_window is None else int(self.cursor))
+        for name in (*self.planes, "pos"):
+            getattr(out, name).copy_(getattr(self, name).index_select(0, rows))
+        out.cursor.copy_(self.cursor)
+        out.compact()
         return out
 
     def entry_bytes(self) -> int:

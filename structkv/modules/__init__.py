@@ -4,6 +4,7 @@ from .budget import Budget
 from .budgeted_cache import BudgetedKVCache, pads_last
 from .centrality import CentralityTracker
 from .compressor import StructKVCompressor
+from .decode_bound import DecodeBound
 from .pivot import PivotDetector, PivotTrace, calibrate_pivot, candidate_layers
 from .propagation import FixedLayerPropagation, Propagation
 from .retention import GuidedRetention, Retention
@@ -14,7 +15,8 @@ from .structkv_config import StructKVConfig
 from .view import LayerView
 
 __all__ = [
-    "Budget", "BudgetedKVCache", "CentralityTracker", "FixedLayerPropagation", "GuidedRetention", "LayerView",
+    "Budget", "BudgetedKVCache", "CentralityTracker", "DecodeBound", "FixedLayerPropagation", "GuidedRetention",
+    "LayerView",
     "PivotDetector", "PivotTrace", "Propagation", "Retention", "SkeletonPruner",
     "StructKVCompressor", "StructKVConfig",
     "budget_tokens", "calibrate_pivot", "candidate_layers", "gather_tokens", "last_query_logits", "pads_last",

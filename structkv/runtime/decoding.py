@@ -78,12 +78,29 @@ class Decoding:
     logits: torch.Tensor | None
     positions: torch.Tensor
     step: object = decode_step  # `step_function(backend)`
+    bound: object = None  # a `structkv.modules.decode_bound.BoundedDecode` on `cache`, or None
 
     def feed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row (R,) at the rows' next positions; the next logits (R, V)."""
+        """Feed one token per row (R,) at the rows' next positions; the next logits (R, V).
+        With a `bound`, rows about to pass it evict first."""
+        if self.bound is not None:
+            self.bound.before_step()
         self.logits = self.step(self.model, tokens[:, None], self.positions, self.cache)
         self.positions = self.positions + 1
+        if self.bound is not None:
+            self.bound.after_step()
         return self.logits
+
+
+def bounded(model, cache, max_kv_tokens):
+    """A `BoundedDecode` for `generate`'s `max_kv_tokens` (an int or a `DecodeBound`) on
+    `cache`, or None without a bound."""
+    from ..modules.decode_bound import BoundedDecode, DecodeBound
+
+    bound = DecodeBound.of(max_kv_tokens)
+    if bound is None:
+        return None
+    return BoundedDecode(bound, cache, model.config.num_heads // model.config.num_kv_heads)
 
 
 def decode_tokens(rows: Decoding, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,

@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.kv_cache import StackedKVCache, StaticKVCache, round_capacity
+from ..modules.decode_bound import DecodeBound
 from ..text.detokenize import StopText
 from ..text.prompts import PROMPT_TYPES, encode_batch, ids_from_prompt, is_batch
 from ..util.compiling import compiled, mark_warm
 from ..util.timing import NO_TIMER, Timer, sync
-from .decoding import Decoding, backends, decode_tokens, step_function
+from .decoding import Decoding, backends, bounded, decode_tokens, step_function
 from .stats import PrefillStats
 
 
@@ -78,7 +79,7 @@ def _method(method):
 def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, stop_at_eos: bool = True, compile="auto",
              seed: int | None = None, method=None, state=None, stream=None, timing: bool = False,
-             recall=None) -> GenerationResult:
+             recall=None, max_kv_tokens=None) -> GenerationResult:
     """Generate a continuation of `prompt` (text, token ids, or a list of either for a batch).
 
     `messages` instead of `prompt`: a conversation ([{"role": "user", "content": ...}, ...])
@@ -96,11 +97,14 @@ def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, tem
     `timing`: time the compression's phases (scoring, selection, cache fill; synchronises a GPU at
     each phase). `recall`: with a `state` that has an archive (`structkv.prefill(..., archive=...)`),
     the entries each archived layer recalls for this question (a ratio of the context or a count;
-    None: the state's own default, 0: none; `structkv.modules.recall`). Returns the new text, the
-    new token ids and stats; a list prompt gives lists.
+    None: the state's own default, 0: none; `structkv.modules.recall`). `max_kv_tokens`: bound
+    every layer's entries while generating (an int, or a `structkv.modules.DecodeBound` with its
+    eviction rule; `structkv.modules.decode_bound`), so a long answer does not grow the cache without
+    limit; None: no bound. Returns the new text, the new token ids and stats; a list prompt gives lists.
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
     method = _method(method)
+    bound = DecodeBound.of(max_kv_tokens)
     if messages is not None:
         prompt = _chat_prompt(model, prompt, messages, state)
     elif prompt is None:
@@ -110,13 +114,14 @@ def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, tem
     backend, decode_backend = backends(model, compile, max_new_tokens)
     t0 = time.perf_counter()
     run = start(model, prompt, max_new_tokens=max_new_tokens, method=method, state=state, backend=backend,
-                decode_backend=decode_backend, timing=timing, recall=recall)
+                decode_backend=decode_backend, timing=timing, recall=recall, bound=bound)
     sync(model.device)
     t1 = time.perf_counter()
     cache, stats, B = run.cache, run.stats, run.logits.shape[0]
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
-    rows = Decoding(model, cache, run.logits, run.next_pos, step_function(decode_backend))
+    rows = Decoding(model, cache, run.logits, run.next_pos, step_function(decode_backend), bounded(model, cache, bound))
     ids, steps = decode_tokens(rows, max_new_tokens, temperature, top_k, top_p, stop_at_eos, generator, stream)
+    cache = rows.cache
     sync(model.device)
     t2 = time.perf_counter()
     texts = [model.tokenizer.decode(r) for r in ids] if model.tokenizer is not None else [None] * B
@@ -130,6 +135,7 @@ def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, tem
         "kv_bytes_kept": run.kept,
         "kv_entries": sum(int((layer.pos >= 0).sum()) for layer in cache.layers),
         "compiled_parts": [part for part, b in (("prefill", backend), ("decode", decode_backend)) if b],
+        **(rows.bound.stats() if rows.bound is not None else {}),
     })
     if decode_backend == "inductor":
         mark_warm(model, "decode")
@@ -157,11 +163,14 @@ class Started:
 
 
 def start(model, prompt, *, max_new_tokens: int, method=None, state=None, backend=None, decode_backend=None,
-          timing: bool = False, recall=None) -> Started:
+          timing: bool = False, recall=None, bound=None) -> Started:
     """The prompt pass of `generate` (see there): compress `prompt` with `method`, run it whole, or
     append it to a copy of `state`'s compressed context (recalling from its archive, `recall`);
-    `backend` / `decode_backend`: compile the prefill / a one-token prompt's step (None: eager)."""
+    `backend` / `decode_backend`: compile the prefill / a one-token prompt's step (None: eager);
+    `bound`: a `DecodeBound` the decode will keep (the cache then needs room for the bound, not for
+    every new token)."""
     limit = model.config.max_position_embeddings
+    room = max_new_tokens if bound is None else min(max_new_tokens, bound.max_tokens + 1)
     stats: dict = {}
     prefill = None
     if state is None and recall is not None:
@@ -172,7 +181,8 @@ def start(model, prompt, *, max_new_tokens: int, method=None, state=None, backen
             raise ValueError("pass either method= (compress this prompt) or state= (reuse a compressed context)")
         prefill = state.stats
         stats.update(state.stats.items())
-        cache, logits, next_pos, lengths = _extend_state(model, state, prompt, max_new_tokens, recall, stats)
+        cache, logits, next_pos, lengths = _extend_state(model, state, prompt, max_new_tokens, recall, stats,
+                                                         decode_bound=bound is not None)
         batched = logits.shape[0] > 1
     else:
         batched = is_batch(prompt)
@@ -185,13 +195,13 @@ def start(model, prompt, *, max_new_tokens: int, method=None, state=None, backen
         if method is not None and method.name != "full":
             from .compress import compress
 
-            compressed = compress(model, tokens, positions, method, room=max_new_tokens, compile=backend or False,
+            compressed = compress(model, tokens, positions, method, room=room, compile=backend or False,
                                   timer=Timer() if timing else NO_TIMER)
             cache, logits, next_pos = compressed.cache, compressed.logits, compressed.next_positions
             prefill = compressed.stats
             stats.update(compressed.stats.items())
         else:
-            cache, logits = _full_prefill(model, tokens, positions, max_new_tokens, backend, decode_backend, limit)
+            cache, logits = _full_prefill(model, tokens, positions, room, backend, decode_backend, limit)
             next_pos = torch.tensor(lengths, device=model.device)[:, None]  # (B, 1)
             stats["method"] = "full"
     kept = sum(state.cache.nbytes()) if state is not None else sum(cache.nbytes())
@@ -201,7 +211,8 @@ def start(model, prompt, *, max_new_tokens: int, method=None, state=None, backen
 @torch.inference_mode()
 def generate_states(model, states, *, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
                     top_p: float | None = None, stop_at_eos: bool = True, compile=True,
-                    seed: int | None = None, question=None, recall=None) -> list[GenerationResult]:
+                    seed: int | None = None, question=None, recall=None,
+                    max_kv_tokens=None) -> list[GenerationResult]:
     """Continue several compressed prompts (`CompressedState`s, e.g. every method's state from
     `structkv.compress_shared`) in one batched decode: their caches are stacked row-wise
     (`StackedKVCache`), so each step reads the weights once for all of them. Each result equals
@@ -214,7 +225,8 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
     context before decoding, as `generate(model, question, state=...)` does for one state (the
     states must be compressed with room for it plus the new tokens). `recall`: as in `generate`,
     one for every state or a list with one per state; a state that recalls extends its own copy
-    (its answer's cache is its own), then all are stacked for the decode.
+    (its answer's cache is its own), then all are stacked for the decode. `max_kv_tokens`: as in
+    `generate`, each row evicting on its own (so each result still equals its `generate` alone).
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
     if not states:
@@ -224,7 +236,7 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
         state.check_model(model)
     cache = StackedKVCache([s.cache for s in states])
     asked = [] if question is None else _question_ids(model, question)
-    if cache.free() < len(asked) + max_new_tokens:
+    if cache.free() < len(asked) + (1 if max_kv_tokens is not None else max_new_tokens):
         raise ValueError(f"{len(asked)} question + {max_new_tokens} new tokens exceed the {cache.free()} free cache "
                          "slots of these states; compress with room >= question tokens + max_new_tokens")
     next_pos = torch.cat([s.next_positions for s in states])  # (R, 1)
@@ -237,7 +249,8 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
         raise ValueError(f"recall: give one value or one per state ({len(states)}), got {len(recalls)}")
     asks = [{} for _ in states]  # each state's recall stats
     if asked and any(resolve_recall(s, r) is not None for s, r in zip(states, recalls)):
-        parts = [_extend_state(model, s, asked, max_new_tokens, r, a) for s, r, a in zip(states, recalls, asks)]
+        parts = [_extend_state(model, s, asked, max_new_tokens, r, a, decode_bound=max_kv_tokens is not None)
+                 for s, r, a in zip(states, recalls, asks)]
         cache = StackedKVCache([p[0] for p in parts])
         logits, next_pos = torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
     elif asked:
@@ -248,10 +261,11 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
     backend = "inductor" if compile is True else compile
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
     t1 = time.perf_counter()
-    rows = Decoding(model, cache, logits, next_pos, step_function(backend))
+    rows = Decoding(model, cache, logits, next_pos, step_function(backend), bounded(model, cache, max_kv_tokens))
     ids, steps = decode_tokens(rows, max_new_tokens, temperature, top_k, top_p, stop_at_eos, generator)
     sync(model.device)
     decode_s = time.perf_counter() - t1
+    bound_stats = rows.bound.stats() if rows.bound is not None else {}
     results, row = [], 0
     for state, b, ask in zip(states, cache.rows, asks):
         rows = ids[row:row + b]
@@ -261,7 +275,7 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
                  "question_tokens": len(asked),
                  "decode_tokens_per_s": float("nan"),
                  "kv_cache_bytes": sum(layer.nbytes() for layer in state.cache.layers),
-                 "kv_bytes_kept": sum(state.cache.nbytes()), **ask}
+                 "kv_bytes_kept": sum(state.cache.nbytes()), **ask, **bound_stats}
         results.append(GenerationResult(texts[0] if b == 1 else texts, rows[0] if b == 1 else rows, stats,
                                         state.stats))
     return results
@@ -303,6 +317,10 @@ def format_stats(stats: dict) -> str:
     if stats.get("tp_ranks"):
         parts.append(f"tensor parallel over {stats['tp_ranks']} ranks (KV above: this rank's; "
                      f"{stats['kv_bytes_all_ranks'] / 2**20:.2f} MiB kept over all)")
+    if stats.get("max_kv_tokens") is not None:
+        parts.append(f"KV bound {stats['max_kv_tokens']} per layer ({stats['decode_evict_rule']}): peak "
+                     f"{max(stats['kv_entries_max'], default=0)} entries, {stats['kv_evictions']} evictions in "
+                     f"{stats['kv_evict_s']:.2f} s")
     parts.append(f"{stats['new_tokens']} new tokens in {stats['decode_s']:.2f} s "
                  f"({stats['decode_tokens_per_s']:.1f} tok/s)")
     if stats.get("recall") is not None:
@@ -365,10 +383,12 @@ def _question_ids(model, question) -> list[int]:
     return ids
 
 
-def _extend_state(model, state, question, max_new_tokens, recall=None, stats: dict | None = None):
+def _extend_state(model, state, question, max_new_tokens, recall=None, stats: dict | None = None,
+                  decode_bound: bool = False):
     """Append `question` (same for every row) to a copy of the compressed context, recalling
     `recall` entries per archived layer from the state's archive (None: the state's default; 0:
-    none); what recall did goes into `stats`.
+    none); what recall did goes into `stats`. `decode_bound`: the decode keeps a KV bound, so the
+    state needs room for the question and one token (the bound's eviction makes the rest).
 
     Returns the extended cache, the question's last logits (B, V), the next positions (B, 1) and
     the tokens per row so far."""
@@ -382,7 +402,7 @@ def _extend_state(model, state, question, max_new_tokens, recall=None, stats: di
                          "ask for fewer tokens or compress a shorter context")
     B = state.logits.shape[0]
     free = min(layer.capacity - int(layer.cursor) for layer in state.cache.layers if layer.sliding_window is None)
-    if len(ids) + max_new_tokens > free:
+    if len(ids) + (1 if decode_bound else max_new_tokens) > free:
         raise ValueError(f"question ({len(ids)} tokens) + {max_new_tokens} new tokens exceed the {free} free cache "
                          "slots of this state; call structkv.prefill(model, context, method, room=...) with more room")
     tokens = torch.tensor([ids], device=model.device).expand(B, -1)  # (B, S_q)

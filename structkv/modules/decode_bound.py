@@ -1,0 +1,224 @@
+"""A KV bound while generating: no layer holds more than `max_tokens` entries per row and KV head.
+
+Why: a prompt's compression bounds what the prompt leaves behind, but every generated token
+still adds one entry per layer, so a 4K-token answer, a reasoning trace or a long chat grows the
+cache without limit. With a bound, a row's layer that is about to pass `max_tokens` evicts down
+to `max_tokens - every` (hysteresis: the eviction runs once every `every` tokens, not at every
+token). The first `sinks` positions and the last `recent` entries always stay; the others are
+ranked by a decode-time rule:
+
+- "window": SnapKV on generated tokens. The cache keeps the last `recent` decode queries of
+  every layer (`LayerKVCache.keep_queries`); an entry's score is the attention those queries gave
+  it, summed over the query heads of its KV head.
+- "redundancy": R-KV's idea. The same attention, blended half and half with the key's novelty:
+  1 minus its largest cosine similarity to a later entry of its head, so of two keys that repeat
+  each other the older one goes first (a reasoning trace repeats itself).
+- "recent": the sinks and the most recent entries only (StreamingLLM; the baseline).
+
+Until the first decode query is kept (a prompt longer than the bound, evicted before the first
+token) the query-based rules rank by novelty alone. Rows evict independently (their own counts,
+their own scores), so a batched row keeps exactly what it keeps alone. Eviction empties slots
+(position -1); a full-attention layer is then compacted (`LayerKVCache.compact`) so its cursor
+never passes the bound; a sliding-window ring keeps its slots and refills the emptied ones.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+RULES = ("window", "redundancy", "recent")
+NOVELTY_CHUNK = 1024  # keys whose similarities to every other key are held at once
+
+
+@dataclass(frozen=True)
+class DecodeBound:
+    """At most `max_tokens` entries per (row, KV head) in every layer while generating.
+
+    `rule`: "window", "redundancy" or "recent" (module docstring); `every`: tokens between
+    evictions (the low mark is `max_tokens - every`); `sinks`, `recent`: first positions and
+    latest entries that always stay. None: scaled to the bound (every max_tokens // 8 up to 64,
+    sinks up to 4, recent up to 32, each at most a quarter of the bound)."""
+
+    max_tokens: int
+    rule: str = "window"
+    every: int | None = None
+    sinks: int | None = None
+    recent: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_kv_tokens must be an int >= 1 (entries per layer while generating), "
+                             f"got {self.max_tokens!r}")
+        if self.rule not in RULES:
+            raise ValueError(f"unknown decode eviction rule {self.rule!r}: choose one of {', '.join(RULES)}")
+        for name in ("every", "sinks", "recent"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be an int >= 0 or None, got {value!r}")
+        if self.every == 0:
+            raise ValueError("every must be >= 1 (tokens between evictions)")
+        if self.low < self.n_sinks + self.n_recent:
+            raise ValueError(f"max_kv_tokens={self.max_tokens} evicts down to {self.low}, fewer than the "
+                             f"{self.n_sinks} sinks + {self.n_recent} recent entries that always stay: "
+                             "raise max_kv_tokens or lower every / sinks / recent")
+
+    @property
+    def step(self) -> int:
+        return self.every if self.every is not None else max(1, min(64, self.max_tokens // 8))
+
+    @property
+    def low(self) -> int:
+        """Entries a layer keeps after an eviction."""
+        return self.max_tokens - self.step
+
+    @property
+    def n_sinks(self) -> int:
+        return self.sinks if self.sinks is not None else min(4, self.max_tokens // 4)
+
+    @property
+    def n_recent(self) -> int:
+        return self.recent if self.recent is not None else min(32, self.max_tokens // 4)
+
+    @classmethod
+    def of(cls, value) -> "DecodeBound | None":
+        """A bound from `max_kv_tokens=`: None, an int, or a DecodeBound."""
+        if value is None or isinstance(value, DecodeBound):
+            return value
+        return cls(value)
+
+
+class BoundedDecode:
+    """One generation's bound on one cache: call `before_step()` before each decode step (it
+    evicts the rows that would pass the bound) and `after_step()` after it. `stats()` gives the
+    peak entries per layer (`kv_entries_max`), the evictions (layer x row events) and their time.
+
+    `group`: query heads per KV head. A full-attention layer is sized to the bound (room for
+    `max_tokens` + 1) once its entries fit: a long prompt's buffer shrinks at its first eviction,
+    a state's grows when its room runs out."""
+
+    def __init__(self, bound: DecodeBound, cache, group: int):
+        self.bound, self.cache = bound, cache
+        self.counts = [_entries_per_row(layer) for layer in cache.layers]  # per layer: (B,) ints
+        self.peak = [0] * len(self.counts)  # over decode steps
+        self.evictions, self.evict_s = 0, 0.0
+        if bound.rule != "recent":
+            for layer in cache.layers:
+                layer.keep_queries(bound.n_recent or 1, layer.pos.shape[1] * group)  # this rank's query heads
+
+    def before_step(self) -> None:
+        t0 = time.perf_counter()
+        bound = self.bound
+        for i, layer in enumerate(self.cache.layers):
+            over = [b for b, n in enumerate(self.counts[i]) if n + 1 > bound.max_tokens]
+            full = layer.sliding_window is None
+            if over:
+                _evict(layer, over, bound)
+                self.evictions += len(over)
+                self.counts[i] = _entries_per_row(layer)
+            if full and (over or int(layer.cursor) + 1 > layer.capacity):
+                layer.compact()
+                self._fit(i, layer)
+        if self.evictions:
+            self.evict_s += time.perf_counter() - t0
+
+    def _fit(self, i: int, layer) -> None:
+        """Give a full layer exactly the bound's room once its entries fit it (a compiled step
+        sees one more shape, once)."""
+        from ..models.kv_cache import round_capacity
+
+        want = round_capacity(self.bound.max_tokens + 1)
+        if layer.capacity != want and int(layer.cursor) <= self.bound.max_tokens:
+            fitted = layer.resized(want)
+            if layer.query_slots:
+                fitted.query_slots = layer.query_slots
+                fitted.register_buffer("q_recent", layer.q_recent)
+                fitted.register_buffer("q_pos", layer.q_pos)
+            self.cache.layers[i] = fitted
+
+    def after_step(self) -> None:
+        for i, layer in enumerate(self.cache.layers):
+            cap = layer.capacity if layer.sliding_window is not None else None
+            self.counts[i] = [n + 1 if cap is None else min(n + 1, cap) for n in self.counts[i]]
+            self.peak[i] = max(self.peak[i], max(self.counts[i], default=0))
+
+    def stats(self) -> dict:
+        return {"max_kv_tokens": self.bound.max_tokens, "decode_evict_rule": self.bound.rule,
+                "kv_entries_max": list(self.peak), "kv_evictions": self.evictions, "kv_evict_s": self.evict_s}
+
+
+def _entries_per_row(layer) -> list[int]:
+    """The most entries any KV head of each row holds, (B,) as ints."""
+    return (layer.pos >= 0).sum(-1).amax(-1).tolist()
+
+
+def _evict(layer, rows: list[int], bound: DecodeBound) -> None:
+    """Empty all but `bound.low` entries of each (row, head) of `rows`: the sinks, the recent and
+    the best by the bound's rule stay (position -1 marks the rest)."""
+    index = torch.tensor(rows, device=layer.pos.device)
+    pos = layer.pos.index_select(0, index)  # (R, Hkv, C)
+    valid = pos >= 0
+    score = scores(layer, index, pos, bound.rule).masked_fill(~valid, float("-inf"))
+    score = score.masked_fill(pinned(pos, bound.n_sinks, bound.n_recent), float("inf"))
+    keep = score.topk(min(bound.low, pos.shape[-1]), dim=-1).indices  # (R, Hkv, low)
+    stay = torch.zeros_like(valid).scatter_(-1, keep, True) & valid
+    layer.pos[index] = pos.masked_fill(~stay, -1)
+
+
+def pinned(pos: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
+    """(R, H, C) bool: the `sinks` earliest and `recent` latest positions of each (row, head)."""
+    valid = pos >= 0
+    key = pos.masked_fill(~valid, torch.iinfo(pos.dtype).max)
+    rank = key.argsort(-1).argsort(-1)  # 0 = earliest position
+    n = valid.sum(-1, keepdim=True)
+    return valid & ((rank < sinks) | (rank >= n - recent))
+
+
+def scores(layer, index: torch.Tensor, pos: torch.Tensor, rule: str) -> torch.Tensor:
+    """(R, Hkv, C) float32: how much each entry of rows `index` is worth keeping under `rule`."""
+    if rule == "recent":
+        return pos.float()
+    k = layer.read(torch.float32)[0].index_select(0, index).float()  # (R, Hkv, C, D)
+    novelty = key_novelty(k, pos)
+    attention = window_attention(layer, index, k, pos)
+    if attention is None:
+        return novelty
+    if rule == "window":
+        return attention
+    top = attention.amax(-1, keepdim=True).clamp_min(1e-30)
+    return 0.5 * attention / top + 0.5 * novelty / 2
+
+
+def key_novelty(k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """1 - the largest cosine similarity of each key to a later entry of its head (R, Hkv, C), in
+    [0, 2]; 1 for the latest."""
+    unit = torch.nn.functional.normalize(k, dim=-1)
+    best = []
+    for s in range(0, k.shape[2], NOVELTY_CHUNK):  # (R, Hkv, c, C) similarities at a time, not (C, C)
+        sim = unit[:, :, s:s + NOVELTY_CHUNK] @ unit.transpose(-1, -2)  # (R, Hkv, c, C)
+        p = pos[:, :, s:s + NOVELTY_CHUNK, None]
+        later = (pos[:, :, None, :] > p) & (pos[:, :, None, :] >= 0)  # j after i
+        best.append(sim.masked_fill_(~later, float("-inf")).amax(-1))
+    best = torch.cat(best, -1)  # (R, Hkv, C)
+    return 1 - torch.where(torch.isfinite(best), best, torch.zeros_like(best))
+
+
+def window_attention(layer, index: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
+    """The attention the kept decode queries gave each entry, summed over queries and the query
+    heads of its KV head (R, Hkv, C); None before any query was kept."""
+    if not layer.query_slots:
+        return None
+    q_pos = layer.q_pos.index_select(0, index)  # (R, n)
+    if not bool((q_pos >= 0).any()):
+        return None
+    q = layer.q_recent.index_select(0, index)  # (R, Hq, n, D), scaled
+    R, Hq, n, D = q.shape
+    Hkv = k.shape[1]
+    logits = q.reshape(R, Hkv, Hq // Hkv, n, D) @ k[:, :, None].transpose(-1, -2)  # (R, Hkv, G, n, C)
+    seen = (pos[:, :, None, None, :] >= 0) & (q_pos[:, None, None, :, None] >= 0) \
+        & (pos[:, :, None, None, :] <= q_pos[:, None, None, :, None])
+    if layer.sliding_window is not None:
+        seen &= pos[:, :, None, None, :] > q_pos[:, None, None, :, None] - layer.sliding_window
+    p = torch.nan_to_num(logits.masked_fill(~seen, float("-inf")).softmax(-1), nan=0.0)
+    return p.sum(dim=(2, 3))  # (R, Hkv, C)

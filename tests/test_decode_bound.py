@@ -1,0 +1,135 @@
+"""A KV bound while generating (`max_kv_tokens`): the bound holds at every step, a bound the
+generation never reaches changes nothing, sinks and the recent window always stay, batched rows
+equal alone, and it stacks with every prefill method, quantized entries, states and compile."""
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import structkv
+from structkv import methods
+from structkv.modules import DecodeBound
+from structkv.runtime.decoding import Decoding, bounded
+from structkv.runtime.generation import start
+
+
+def _ids(n, seed=0):
+    return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir):
+    return {arch: structkv.load(tiny_dir(arch)) for arch in ("llama", "gemma3_text")}
+
+
+def _entries(cache) -> list[int]:
+    """The most entries any (row, KV head) holds, per layer."""
+    return [int((layer.pos >= 0).sum(-1).max()) for layer in cache.layers]
+
+
+def _run(model, prompt, new, bound, method=None):
+    """Feed greedy tokens through a bounded decode; yields the cache after every step."""
+    with torch.inference_mode():
+        run = start(model, prompt, max_new_tokens=new, method=method, bound=bound)
+        rows = Decoding(model, run.cache, run.logits, run.next_pos, bound=bounded(model, run.cache, bound))
+        for _ in range(new):
+            rows.feed(rows.logits.argmax(-1))
+            yield rows
+
+
+METHODS = [None, "snapkv", "structkv", "streaming_llm"]
+
+
+@given(bound=st.integers(4, 40), length=st.integers(5, 50), new=st.integers(1, 60),
+       rule=st.sampled_from(["window", "redundancy", "recent"]), method=st.sampled_from(METHODS),
+       arch=st.sampled_from(["llama", "gemma3_text"]))
+def test_bound_holds_at_every_step(models, bound, length, new, rule, method, arch):
+    model = models[arch]
+    b = DecodeBound(bound, rule)
+    for rows in _run(model, _ids(length), new, b, methods.get(method) if method else None):
+        assert max(_entries(rows.cache)) <= bound
+    assert max(rows.bound.stats()["kv_entries_max"]) <= bound
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_bound_never_reached_is_no_bound(models, arch):
+    model = models[arch]
+    free = structkv.generate(model, _ids(30), max_new_tokens=40, stop_at_eos=False, compile=False)
+    big = structkv.generate(model, _ids(30), max_new_tokens=40, stop_at_eos=False, compile=False, max_kv_tokens=70)
+    assert big.token_ids == free.token_ids
+    assert big.stats["kv_evictions"] == 0
+
+
+@pytest.mark.parametrize("rule", ["window", "redundancy", "recent"])
+def test_sinks_and_recent_window_always_stay(models, rule):
+    model = models["llama"]
+    b = DecodeBound(24, rule, sinks=3, recent=6, every=4)
+    length = 30
+    for step, rows in enumerate(_run(model, _ids(length), 40, b)):
+        newest = length + step  # the position just written
+        for layer in rows.cache.layers:
+            for head in layer.pos[0]:
+                kept = set(head[head >= 0].tolist())
+                assert {0, 1, 2} <= kept
+                assert set(range(newest - 5, newest + 1)) <= kept
+
+
+@pytest.mark.parametrize("method", [None, "snapkv"])
+def test_batched_rows_equal_alone(models, method):
+    model = models["gemma3_text"]
+    prompts = [_ids(20, 1), _ids(45, 2), _ids(33, 3)]
+    m = methods.get(method) if method else None
+    kw = dict(max_new_tokens=50, stop_at_eos=False, compile=False, max_kv_tokens=DecodeBound(28, "redundancy"))
+    together = structkv.generate(model, prompts, method=m, **kw).token_ids
+    alone = [structkv.generate(model, p, method=m, **kw).token_ids for p in prompts]
+    assert together == alone
+
+
+def test_compiled_equals_eager(models):
+    model = models["llama"]
+    kw = dict(max_new_tokens=60, stop_at_eos=False, max_kv_tokens=32)
+    assert structkv.generate(model, _ids(40), compile=True, **kw).token_ids == \
+        structkv.generate(model, _ids(40), compile=False, **kw).token_ids
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_entries(tiny_dir, kv_dtype):
+    model = structkv.load(tiny_dir("llama"), kv_dtype=kv_dtype)
+    out = structkv.generate(model, _ids(40), max_new_tokens=50, stop_at_eos=False, compile=False, max_kv_tokens=32)
+    assert len(out.token_ids) == 50 and max(out.stats["kv_entries_max"]) <= 32
+
+
+def test_state_generates_past_its_room(models):
+    """A state's room bounds new tokens without a bound; with one, the cache evicts instead."""
+    model = models["llama"]
+    state = structkv.prefill(model, _ids(60), methods.get("snapkv", kv_budget=0.5), room=8)
+    with pytest.raises(ValueError, match="free cache"):
+        structkv.generate(model, _ids(4, 9), state=state, max_new_tokens=40, compile=False)
+    out = structkv.generate(model, _ids(4, 9), state=state, max_new_tokens=40, stop_at_eos=False, compile=False,
+                            max_kv_tokens=40)
+    assert len(out.token_ids) == 40 and max(out.stats["kv_entries_max"]) <= 40
+    [stacked] = structkv.generate_states(model, [state], question=_ids(4, 9), max_new_tokens=40, stop_at_eos=False,
+                                         compile=False, max_kv_tokens=40)
+    assert stacked.token_ids == out.token_ids
+
+
+def test_long_prompt_buffer_shrinks_to_the_bound(models):
+    model = models["llama"]
+    out = structkv.generate(model, _ids(200), max_new_tokens=10, stop_at_eos=False, compile=False, max_kv_tokens=64)
+    full = structkv.generate(model, _ids(200), max_new_tokens=10, stop_at_eos=False, compile=False)
+    assert out.stats["kv_cache_bytes"] * 2 <= full.stats["kv_cache_bytes"]  # 128 slots per layer, not 256
+
+
+@pytest.mark.parametrize("bad", [0, -3, "512", True, 2.5])
+def test_bad_bounds_are_refused(models, bad):
+    with pytest.raises(ValueError, match="max_kv_tokens must be an int >= 1"):
+        structkv.generate(models["llama"], _ids(10), max_new_tokens=4, compile=False, max_kv_tokens=bad)
+
+
+def test_bad_rules_and_marks_are_refused():
+    with pytest.raises(ValueError, match="unknown decode eviction rule 'attention'"):
+        DecodeBound(64, "attention")
+    with pytest.raises(ValueError, match="4 sinks \\+ 8 recent"):
+        DecodeBound(10, sinks=4, recent=8)
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        DecodeBound(64, every=0)
