@@ -113,3 +113,39 @@ def test_slots_of_rows_that_left_are_given_back(tiny_dir):
         if long_row.finish and len(batch):
             assert int(batch.cache.layers[0].cursor) <= 20 + len(short_row.tokens)
     assert short_row.tokens == want
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_bounded_rows_joining_and_leaving_get_their_lone_answers(tiny_dir, arch):
+    """Rows with their own KV bounds (and one without) join and leave; each evicts on its own and
+    gets what `generate(max_kv_tokens=...)` gives it alone, and no bounded row passes its bound."""
+    from structkv.modules import DecodeBound
+
+    model = structkv.load(tiny_dir(arch))
+    plan = [(40, "full", 30, DecodeBound(24, "window")), (90, "snapkv", 25, DecodeBound(32, "redundancy")),
+            (60, "full", 20, None), (30, "streaming_llm", 35, DecodeBound(20, "recent"))]
+    prompts = [prompt(n, i) for i, (n, *_) in enumerate(plan)]
+    want = []
+    for p, (_, name, new, bound) in zip(prompts, plan):
+        method = None if name == "full" else methods.build(name, kv=0.5, struct=0.5)
+        want.append(structkv.generate(model, p, method=method, max_new_tokens=new, compile=False, stop_at_eos=False,
+                                      max_kv_tokens=bound).token_ids)
+    batch = Batch(model)
+    batch.eos = set()
+    rows = []
+    for p, (_, name, new, bound) in zip(prompts, plan):
+        method = None if name == "full" else methods.build(name, kv=0.5, struct=0.5)
+        rows.append(Row(start(model, p, max_new_tokens=new, method=method, bound=bound), new, bound=bound))
+    joins = {0: [0], 3: [1, 2], 10: [3]}
+    ended, step = [], 0
+    while len(ended) < len(rows):
+        for i in joins.get(step, ()):
+            batch.join(rows[i])
+        ended += batch.step()
+        if batch.cache is not None:
+            live = [r for r in rows if r in batch.rows]
+            for layer in batch.cache.layers:
+                held = (layer.pos >= 0).sum(-1).amax(-1).tolist()
+                assert all(n <= r.bound.max_tokens for n, r in zip(held, live) if r.bound is not None)
+        step += 1
+    assert [r.tokens for r in rows] == want

@@ -182,7 +182,8 @@ def test_help_explains_every_option(capsys):
         main(["generate", "--help"])
     text = capsys.readouterr().out
     for option in ("--file", "--question", "--method", "--kv-budget", "--struct-budget", "--compile", "--no-stream",
-                   "--max-new-tokens", "--temperature", "--seed", "--threads", "--kv-dtype", "examples:"):
+                   "--max-new-tokens", "--temperature", "--seed", "--threads", "--kv-dtype", "--max-kv-tokens",
+                   "--decode-evict", "examples:"):
         assert option in text
 
 

@@ -159,6 +159,24 @@ def test_method_and_budget_per_request(client):
     assert extra["method"] == "fastkv" and extra["options"]["kv_budget"] == 0.2 and extra["prefill_fraction"] < 1
 
 
+def test_kv_bound_per_request_and_as_the_server_default(chat_model, server, client):
+    """"max_kv_tokens" bounds a request's cache while it generates (its answer is the library's
+    with the same bound); a server default applies to requests that name none."""
+    from structkv.modules import DecodeBound
+
+    messages = [{"role": "user", "content": "Tell a long story about keys."}]
+    out = client.chat.completions.create(model=NAME, messages=messages, temperature=0, max_tokens=40,
+                                         extra_body={"max_kv_tokens": 24})
+    want = alone(chat_model, messages, max_new=40, max_kv_tokens=DecodeBound(24))
+    assert out.choices[0].message.content == want
+    with Background(app_for(chat_model, settings(max_kv_tokens=24))) as bounded:
+        c = openai.OpenAI(base_url=bounded.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        out = c.chat.completions.create(model=NAME, messages=messages, temperature=0, max_tokens=40)
+        assert out.choices[0].message.content == want
+    r = post(server, "/v1/chat/completions", {"model": NAME, "messages": messages, "max_kv_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_kv_tokens"
+
+
 def test_token_count_budgets_per_request(client):
     """The server speaks the same budgets as every door: an integer is a token count, a ratio a share."""
     out = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": DOC}], max_tokens=4,

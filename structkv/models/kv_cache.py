@@ -145,6 +145,15 @@ class LayerKVCache(nn.Module):
         self.register_buffer("q_recent", torch.zeros(B, num_heads, slots, self.head_dim, device=device))
         self.register_buffer("q_pos", torch.full((B, slots), -1, dtype=torch.long, device=device))
 
+    def take_queries(self, other: "LayerKVCache", rows: torch.Tensor | None = None, at: int = 0) -> None:
+        """Carry `other`'s kept queries (its `rows`, default all) into this layer's rows from `at`."""
+        if not other.query_slots:
+            return
+        self.keep_queries(other.query_slots, other.q_recent.shape[1])
+        q, qp = (other.q_recent, other.q_pos) if rows is None else (other.q_recent[rows], other.q_pos[rows])
+        self.q_recent[at:at + q.shape[0]] = q
+        self.q_pos[at:at + q.shape[0]] = qp
+
     def _keep_query(self, q: torch.Tensor, positions: torch.Tensor) -> None:
         """Write one scaled query per row, q (B, Hq, 1, D) at positions (B, 1), into the ring."""
         B, Hq = q.shape[:2]
@@ -288,6 +297,7 @@ class LayerKVCache(nn.Module):
             getattr(out, name).copy_(getattr(self, name).index_select(0, rows))
         out.cursor.copy_(self.cursor)
         out.compact()
+        out.take_queries(self, rows)
         return out
 
     def entry_bytes(self) -> int:
@@ -406,7 +416,7 @@ def _stack_layer(parts: list[LayerKVCache], room: int | None = None, sliding_win
             for name in (*out.planes, "pos"):
                 getattr(out, name)[row:row + b] = getattr(ring, name)
             row += b
-        return out
+        return _stack_queries(out, parts)
     capacity = round_capacity(cursor + room)  # one decode graph per size
     out = LayerKVCache(batch, H, capacity, D, dtype, first.k.device, kv_dtype=kv)
     row = 0
@@ -416,4 +426,13 @@ def _stack_layer(parts: list[LayerKVCache], room: int | None = None, sliding_win
             getattr(out, name)[row:row + b, :, :used] = getattr(p, name)[:, :, :used]
         row += b
     out.cursor.fill_(cursor)
+    return _stack_queries(out, parts)
+
+
+def _stack_queries(out: LayerKVCache, parts: list[LayerKVCache]) -> LayerKVCache:
+    """Each part's kept decode queries (a decode-time KV bound's) in its rows of `out`."""
+    row = 0
+    for p in parts:
+        out.take_queries(p, at=row)
+        row += p.k.shape[0]
     return out

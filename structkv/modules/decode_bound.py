@@ -7,13 +7,15 @@ to `max_tokens - every` (hysteresis: the eviction runs once every `every` tokens
 token). The first `sinks` positions and the last `recent` entries always stay; the others are
 ranked by a decode-time rule:
 
-- "window": SnapKV on generated tokens. The cache keeps the last `recent` decode queries of
+- "window": SnapKV on generated tokens. The cache keeps the last 32 decode queries of
   every layer (`LayerKVCache.keep_queries`); an entry's score is the attention those queries gave
   it, summed over the query heads of its KV head.
 - "redundancy": R-KV's idea. The same attention, blended half and half with the key's novelty:
   1 minus its largest cosine similarity to a later entry of its head, so of two keys that repeat
   each other the older one goes first (a reasoning trace repeats itself).
-- "recent": the sinks and the most recent entries only (StreamingLLM; the baseline).
+- "recent": the sinks and the most recent entries only (StreamingLLM). The default: on the
+  development split its KL was within 10 % of "window"'s at the cost of no scoring
+  (docs/results/decode_bound).
 
 Until the first decode query is kept (a prompt longer than the bound, evicted before the first
 token) the query-based rules rank by novelty alone. Rows evict independently (their own counts,
@@ -30,6 +32,7 @@ import torch
 
 RULES = ("window", "redundancy", "recent")
 NOVELTY_CHUNK = 1024  # keys whose similarities to every other key are held at once
+QUERY_WINDOW = 32  # decode queries each layer keeps for the "window" and "redundancy" rules
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ class DecodeBound:
     sinks up to 4, recent up to 32, each at most a quarter of the bound)."""
 
     max_tokens: int
-    rule: str = "window"
+    rule: str = "recent"  # chosen on the development split (docs/results/decode_bound)
     every: int | None = None
     sinks: int | None = None
     recent: int | None = None
@@ -90,31 +93,33 @@ class DecodeBound:
 
 
 class BoundedDecode:
-    """One generation's bound on one cache: call `before_step()` before each decode step (it
-    evicts the rows that would pass the bound) and `after_step()` after it. `stats()` gives the
-    peak entries per layer (`kv_entries_max`), the evictions (layer x row events) and their time.
+    """The bounds of one batch of rows on one cache: call `before_step()` before each decode step
+    (it evicts the rows that would pass their bound) and `after_step()` after it. `stats()` gives
+    the peak entries per layer (`kv_entries_max`), the evictions (layer x row events) and their time.
 
-    `group`: query heads per KV head. A full-attention layer is sized to the bound (room for
-    `max_tokens` + 1) once its entries fit: a long prompt's buffer shrinks at its first eviction,
-    a state's grows when its room runs out."""
+    `bounds`: one `DecodeBound` (or None: unbounded) per row; `group`: query heads per KV head. A
+    full-attention layer whose rows are all bounded is sized to the largest bound (room for it + 1)
+    once its entries fit: a long prompt's buffer shrinks at its first eviction, a state's grows when
+    its room runs out."""
 
-    def __init__(self, bound: DecodeBound, cache, group: int):
-        self.bound, self.cache = bound, cache
+    def __init__(self, bounds: list, cache, group: int):
+        self.bounds, self.cache = list(bounds), cache
         self.counts = [_entries_per_row(layer) for layer in cache.layers]  # per layer: (B,) ints
         self.peak = [0] * len(self.counts)  # over decode steps
         self.evictions, self.evict_s = 0, 0.0
-        if bound.rule != "recent":
+        if any(b is not None and b.rule != "recent" for b in self.bounds):
             for layer in cache.layers:
-                layer.keep_queries(bound.n_recent or 1, layer.pos.shape[1] * group)  # this rank's query heads
+                layer.keep_queries(QUERY_WINDOW, layer.pos.shape[1] * group)  # this rank's query heads
 
     def before_step(self) -> None:
         t0 = time.perf_counter()
-        bound = self.bound
         for i, layer in enumerate(self.cache.layers):
-            over = [b for b, n in enumerate(self.counts[i]) if n + 1 > bound.max_tokens]
+            over = [r for r, (n, b) in enumerate(zip(self.counts[i], self.bounds))
+                    if b is not None and n + 1 > b.max_tokens]
             full = layer.sliding_window is None
+            for bound in {self.bounds[r] for r in over}:
+                _evict(layer, [r for r in over if self.bounds[r] == bound], bound)
             if over:
-                _evict(layer, over, bound)
                 self.evictions += len(over)
                 self.counts[i] = _entries_per_row(layer)
             if full and (over or int(layer.cursor) + 1 > layer.capacity):
@@ -124,17 +129,19 @@ class BoundedDecode:
             self.evict_s += time.perf_counter() - t0
 
     def _fit(self, i: int, layer) -> None:
-        """Give a full layer exactly the bound's room once its entries fit it (a compiled step
-        sees one more shape, once)."""
+        """Give a full layer exactly its rows' bound's room once its entries fit it (a compiled
+        step sees one more shape, once); not when a row is unbounded."""
         from ..models.kv_cache import round_capacity
 
-        want = round_capacity(self.bound.max_tokens + 1)
-        if layer.capacity != want and int(layer.cursor) <= self.bound.max_tokens:
+        if any(b is None for b in self.bounds):
+            if int(layer.cursor) + 1 > layer.capacity:
+                raise ValueError("an unbounded row has no room left in this cache")
+            return
+        most = max(b.max_tokens for b in self.bounds)
+        want = round_capacity(most + 1)
+        if layer.capacity != want and int(layer.cursor) <= most:
             fitted = layer.resized(want)
-            if layer.query_slots:
-                fitted.query_slots = layer.query_slots
-                fitted.register_buffer("q_recent", layer.q_recent)
-                fitted.register_buffer("q_pos", layer.q_pos)
+            fitted.take_queries(layer)
             self.cache.layers[i] = fitted
 
     def after_step(self) -> None:
@@ -144,7 +151,9 @@ class BoundedDecode:
             self.peak[i] = max(self.peak[i], max(self.counts[i], default=0))
 
     def stats(self) -> dict:
-        return {"max_kv_tokens": self.bound.max_tokens, "decode_evict_rule": self.bound.rule,
+        bound = next((b for b in self.bounds if b is not None), None)
+        return {"max_kv_tokens": bound.max_tokens if bound else None,
+                "decode_evict_rule": bound.rule if bound else None,
                 "kv_entries_max": list(self.peak), "kv_evictions": self.evictions, "kv_evict_s": self.evict_s}
 
 

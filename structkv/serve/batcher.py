@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.kv_cache import StackedKVCache
+from ..modules.decode_bound import BoundedDecode
 from ..runtime.decoding import Decoding, eos_ids, sample, step_function
 from ..runtime.generation import Started
 
@@ -45,6 +46,7 @@ class Row:
     joined: float = field(default_factory=time.perf_counter)
     peers: int = 1  # the most rows it decoded with
     generator: torch.Generator | None = None
+    bound: object = None  # a `DecodeBound` while generating (None: unbounded)
 
     def __post_init__(self):
         if self.seed is not None:
@@ -87,6 +89,7 @@ class Batch:
         cfg = model.config
         self.sliding_windows = [cfg.sliding_window_at(i) for i in range(cfg.num_layers)]
         self.eos = set(eos_ids(model))
+        self.group = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head (a KV bound's query rings)
 
     @property
     def cache(self):
@@ -145,7 +148,10 @@ class Batch:
                 started = self.joining[i - running].started
                 parts.append(started.cache)
                 positions.append(started.next_pos)
-        rows = self.rows + self.joining
-        room = max(rows[i].remaining for i in keep) + 1  # every row's tokens still to feed fit
+        rows = [(self.rows + self.joining)[i] for i in keep]
+        # every row's tokens still to feed fit, or its bound (the bound evicts the rest)
+        room = max(r.remaining if r.bound is None else min(r.remaining, r.bound.max_tokens + 1) for r in rows) + 1
         cache = StackedKVCache(parts, room=room, sliding_windows=self.sliding_windows)
-        self.running = Decoding(self.model, cache, None, torch.cat(positions), self.step_fn)  # positions (R, 1)
+        bounds = [r.bound for r in rows]
+        bound = BoundedDecode(bounds, cache, self.group) if any(b is not None for b in bounds) else None
+        self.running = Decoding(self.model, cache, None, torch.cat(positions), self.step_fn, bound)  # positions (R, 1)

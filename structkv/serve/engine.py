@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from ..methods import CONTEXT_DEFAULT, Budget, build, context_archive, has_struct_budget, names
 from ..models.archive import ArchiveError, check_kind
+from ..modules.decode_bound import DecodeBound
 from ..runtime.compress import prefill
 from ..runtime.decoding import backends
 from ..runtime.generation import start
@@ -70,6 +71,10 @@ class Settings:
     archive: str | None = None
     recall: float | int | str | None = None
     archive_dir: str | None = None
+    # A KV bound while generating (`structkv.modules.decode_bound`): every request's default, which a
+    # request's own "max_kv_tokens" replaces; `decode_evict`: the rule both use
+    max_kv_tokens: int | None = None
+    decode_evict: str = "recent"
 
     def __post_init__(self):
         for name in ("kv_budget", "struct_budget"):
@@ -84,6 +89,8 @@ class Settings:
             self.recall = Budget.parse(self.recall, "recall").value
         for name in (self.method, self.context_method):
             build(name, kv=self.kv_budget, struct=self.struct_budget)  # a bad default fails at start-up
+        if self.max_kv_tokens is not None:
+            DecodeBound(self.max_kv_tokens, self.decode_evict)  # a bad bound fails at start-up
 
 
 @dataclass
@@ -165,6 +172,11 @@ class Engine:
         if max_new > self.settings.max_tokens:
             raise bad("max_tokens", f"max_tokens {max_new} is over this server's limit of {self.settings.max_tokens} "
                       "new tokens per request (structkv serve --max-tokens)")
+        if req.max_kv_tokens is not None:
+            try:
+                DecodeBound(req.max_kv_tokens, self.settings.decode_evict)
+            except ValueError as e:
+                raise bad("max_kv_tokens", str(e)) from None
         self._refuse_oversized_text(req)
         with self._tokenizing:
             prefix, rest = self._split(req)
@@ -297,7 +309,8 @@ class Engine:
         t0 = time.perf_counter()
         run = _Run(job, StopText(self.model.tokenizer, job.req.stop), queue_s=t0 - job.arrived)
         prefill_backend, step_backend = backends(self.model, self.settings.compile, job.max_new)
-        backend = dict(max_new_tokens=job.max_new, backend=prefill_backend, decode_backend=step_backend)
+        bound = self._bound(job.req)
+        backend = dict(max_new_tokens=job.max_new, backend=prefill_backend, decode_backend=step_backend, bound=bound)
         if job.prefix is not None:
             need = len(job.rest) + job.max_new
             archive = self._archive(job)
@@ -327,7 +340,12 @@ class Engine:
         run.prefill_s = time.perf_counter() - t0
         req = job.req
         return Row(started, job.max_new, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                   on_token=run.on_token, tag=run)
+                   on_token=run.on_token, tag=run, bound=bound)
+
+    def _bound(self, req: Request):
+        """The request's KV bound while generating: its own max_kv_tokens, else the server's; None: unbounded."""
+        tokens = req.max_kv_tokens or self.settings.max_kv_tokens
+        return DecodeBound(tokens, self.settings.decode_evict) if tokens is not None else None
 
     def _compress(self, key, job: Job, need: int):
         """The job's context compressed (archived, and written to its file, when the server recalls)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ..modules.budget import Budget
 
 # Fields a request may carry beyond OpenAI's (the `openai` client sends them with `extra_body=`).
-EXTRA_FIELDS = ("method", "kv_budget", "struct_budget", "context")
+EXTRA_FIELDS = ("method", "kv_budget", "struct_budget", "context", "max_kv_tokens")
 # Accepted only at their neutral value: this server has no such feature.
 NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "echo": False,
            "best_of": 1, "top_logprobs": 0}
@@ -61,6 +61,7 @@ class Request:
     kv_budget: float | int | None = None
     struct_budget: float | int | None = None
     max_tokens: int | None = None
+    max_kv_tokens: int | None = None  # a KV bound while generating (extra field); None: the server's
     temperature: float = 1.0
     top_p: float | None = None
     stop: list[str] = field(default_factory=list)
@@ -93,6 +94,7 @@ def parse(body, kind: str) -> Request:
     req.method = _string(body, "method")
     req.kv_budget = _budget(body, "kv_budget")
     req.struct_budget = _budget(body, "struct_budget")
+    req.max_kv_tokens = _count(body, "max_kv_tokens")
     temperature = _number(body, "temperature", low=0, high=2)
     req.temperature = 1.0 if temperature is None else temperature
     req.top_p = _number(body, "top_p", low=0, high=1, low_open=True)

@@ -1,0 +1,189 @@
+"""structkv's methods on Hugging Face transformers models (`pip install 'structkv[hf]'`).
+
+    import structkv.hf
+    state = structkv.hf.compress(model, tokenizer, document, "snapkv")   # kv_budget=... etc. as options
+    out = structkv.hf.generate(model, tokenizer, "\\nQuestion: ...\\nAnswer:", state=state, max_new_tokens=32)
+
+How: the prompt runs once through the transformers model with structkv's attention function
+registered through transformers' own `AttentionInterface` (`structkv.hf.attention`: it records
+each layer's queries, keys and values, then runs transformers' SDPA attention); each layer's
+entries are then chosen by the method's own retention (`Method.retention`, `kv_scores`,
+`select_tokens`: the code structkv's decoder runs, written once) and the model's `DynamicCache`
+keeps only them. Decoding feeds the model explicit `position_ids` (the prompt's positions go on
+after the evicted ones) with `cache_position` over the kept entries, so RoPE and the mask are
+what the full prompt would give. The prompt is compressed after its full forward pass: the
+memory saved is the decode's cache, not the prefill's peak.
+
+Supported: the post-prefill methods, whose every layer sees the whole prompt and keeps a subset
+(snapkv, pyramidkv, keydiff, streaming_llm, h2o, ...), on dense decoders (Llama, Mistral without a
+sliding window, Qwen2, Qwen3). Refused with a clear error: methods that prune tokens between
+layers (StructKV, FastKV, GemFilter: their prefill saving needs the layer loop, which
+transformers does not expose) or run extra passes (KVzip), and models with sliding-window layers
+(Gemma 3).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from ..methods import Method, get
+from ..methods.base import Layout
+from ..modules.retention import Retention
+from ..modules.view import LayerView
+from .attention import attach
+
+__all__ = ["HFState", "compress", "generate"]
+
+
+@dataclass
+class HFState:
+    """A compressed prompt on a transformers model: its `cache` (a `DynamicCache` holding the kept
+    entries), the last logits (1, V), the next position, and per layer the kept original positions
+    (1, Hkv, K) (`kept`)."""
+
+    cache: object
+    logits: torch.Tensor
+    next_position: int
+    kept: list
+    method: str
+
+
+class _Kept:
+    """What a retention stores per layer (the `fill` of structkv's `BudgetedKVCache`)."""
+
+    def __init__(self, num_layers: int):
+        self.layers = [None] * num_layers
+
+    def fill(self, layer, k, v, positions, indices, check: bool = True) -> None:
+        pos = positions[:, None].expand(-1, k.shape[1], -1)  # (B, Hkv, S)
+        if indices is not None:
+            if bool((indices < 0).any()):
+                raise ValueError("structkv.hf compresses one prompt at a time (no padded rows)")
+            k = k.gather(2, indices[..., None].expand(-1, -1, -1, k.shape[-1]))  # (B, Hkv, K, D)
+            v = v.gather(2, indices[..., None].expand(-1, -1, -1, v.shape[-1]))
+            pos = pos.gather(2, indices)
+        self.layers[layer] = (k, v, pos)
+
+
+def _method(method) -> Method:
+    return method if isinstance(method, Method) else get(method)
+
+
+def _check(model, method: Method, layout: Layout, lengths: torch.Tensor) -> None:
+    cfg = model.config
+    types = getattr(cfg, "layer_types", None) or []
+    if any(t != "full_attention" for t in types) or getattr(cfg, "sliding_window", None) and getattr(
+            cfg, "use_sliding_window", True):
+        raise ValueError(f"structkv.hf: {cfg.model_type} has sliding-window layers, not supported here yet; "
+                         "load it with structkv.load(...) (structkv's own decoder runs every method on it)")
+    if method.propagation(layout, lengths) is not None:
+        raise ValueError(f"structkv.hf: {method.name} prunes tokens between layers (its prefill saving needs the "
+                         "layer loop): run it in structkv's decoder (structkv.load), or pick a post-prefill method "
+                         "(snapkv, pyramidkv, keydiff, streaming_llm, h2o)")
+    if type(method.retention({}, _Kept(0))) is not Retention:
+        raise ValueError(f"structkv.hf: {method.name} chooses its entries with extra passes over the model; run it in "
+                         "structkv's decoder (structkv.load)")
+
+
+def _ids(tokenizer, text, add_special: bool) -> list[int]:
+    if isinstance(text, str):
+        if tokenizer is None:
+            raise ValueError("structkv.hf: give a tokenizer for text, or pass token ids")
+        return tokenizer(text, add_special_tokens=add_special)["input_ids"]
+    ids = list(text)
+    if not ids or not all(isinstance(i, int) for i in ids):
+        raise ValueError("structkv.hf: a prompt is text or a non-empty list of token ids")
+    return ids
+
+
+@torch.inference_mode()
+def compress(model, tokenizer, context, method="snapkv", **options) -> HFState:
+    """Run `context` (text or token ids) through `model` once and keep what `method` (a structkv
+    method or its registered name, with `options` such as kv_budget=0.2) keeps of every layer."""
+    method = _method(method) if not options else get(method, **options)
+    ids = _ids(tokenizer, context, add_special=True)
+    L = model.config.num_hidden_layers
+    layout = Layout(L, list(range(L)))
+    lengths = torch.tensor([len(ids)])
+    _check(model, method, layout, lengths)
+    capture = getattr(model, "_structkv_capture", None) or attach(model)
+    model._structkv_capture = capture
+    tokens = torch.tensor([ids], device=model.device)
+    capture.on, capture.layers = True, {}
+    try:
+        out = model(input_ids=tokens, use_cache=True)
+    finally:
+        capture.on = False
+    positions = torch.arange(len(ids), device=model.device)[None]  # (1, S)
+    kept = _Kept(L)
+    retention = method.retention(method.kv_plan(layout, lengths), kept)
+    for i in range(L):
+        q, k, v, scale = capture.layers[i]
+        retention.layer(LayerView(i, q, k, v, positions, positions, scale, lengths=[len(ids)]))
+        retention.after_propagation(None)
+    retention.finish(None, tokens, {})
+    capture.layers = {}
+    cache = out.past_key_values
+    for layer, (k, v, _) in zip(cache.layers, kept.layers):
+        layer.keys, layer.values = k.contiguous(), v.contiguous()
+    return HFState(cache, out.logits[:, -1].float(), len(ids), [p for _, _, p in kept.layers], method.name)
+
+
+def _cache_arg(model) -> str:
+    """The name transformers' forward takes the cache by ("cache" from 5.2x, "past_key_values" before)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def _feed(model, cache, ids: list[int], position: int):
+    """Append `ids` at original positions `position`.. to `cache`; the last logits (1, V). Layers
+    that keep different numbers of entries (PyramidKV) take one token at a time: transformers
+    builds one mask for every layer, and a single query needs none."""
+    if len(ids) > 1 and len({layer.keys.shape[-2] for layer in cache.layers}) > 1:
+        for i, token in enumerate(ids):
+            logits = _feed(model, cache, [token], position + i)
+        return logits
+    n = len(ids)
+    used = cache.get_seq_length()
+    out = model(input_ids=torch.tensor([ids], device=model.device), **{_cache_arg(model): cache}, use_cache=True,
+                position_ids=torch.arange(position, position + n, device=model.device)[None],
+                cache_position=torch.arange(used, used + n, device=model.device))
+    return out.logits[:, -1].float()
+
+
+@torch.inference_mode()
+def generate(model, tokenizer, prompt=None, *, state: HFState | None = None, method=None, max_new_tokens: int = 64,
+             stop_at_eos: bool = True) -> dict:
+    """Greedy continuation: of `prompt` compressed by `method` (no `state`), or of `state` with
+    `prompt` (a question; may be None) appended uncompressed on a copy of its cache. Returns
+    {"text", "token_ids"}; the state is not modified."""
+    if state is None:
+        if prompt is None:
+            raise ValueError("structkv.hf.generate: give a prompt, a state, or both")
+        state = compress(model, tokenizer, prompt, method or "snapkv")
+        prompt = None
+    elif method is not None:
+        raise ValueError("structkv.hf.generate: pass either method= (compress the prompt) or state=, not both")
+    cache = copy.deepcopy(state.cache)
+    logits, position = state.logits, state.next_position
+    if prompt is not None:
+        ids = _ids(tokenizer, prompt, add_special=False)
+        logits = _feed(model, cache, ids, position)
+        position += len(ids)
+    eos = set(getattr(model.generation_config, "eos_token_id", None) or []) if stop_at_eos else set()
+    if isinstance(model.generation_config.eos_token_id, int) and stop_at_eos:
+        eos = {model.generation_config.eos_token_id}
+    out = []
+    for step in range(max_new_tokens):
+        token = int(logits.argmax(-1))
+        if token in eos:
+            break
+        out.append(token)
+        if step < max_new_tokens - 1:
+            logits = _feed(model, cache, [token], position)
+            position += 1
+    text = tokenizer.decode(out) if tokenizer is not None else None
+    return {"text": text, "token_ids": out}

@@ -1,0 +1,52 @@
+"""The attention function structkv registers with transformers: it sees each layer's queries.
+
+Why here: a post-prefill method scores the prompt's keys by its last queries (SnapKV's window,
+H2O's received attention), and a transformers model computes its queries inside the attention
+module. transformers' own extension point for attention (`AttentionInterface.register`) hands a
+registered function every layer's query, key and value after RoPE, so nothing of transformers is
+patched: the function records what the method needs (`Capture`) and then runs transformers' own
+SDPA attention, so the model's outputs are exactly what "sdpa" gives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NAME = "structkv"
+
+
+@dataclass
+class Capture:
+    """Per layer index: (q (B, Hq, S, D), k, v (B, Hkv, S, D), scale) of the last prefill call."""
+
+    layers: dict = field(default_factory=dict)
+    on: bool = False
+
+
+def register():
+    """Register the attention function and its mask under `NAME` (once per process; idempotent)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        capture = getattr(module, "_structkv_capture", None)
+        if capture is not None and capture.on:
+            capture.layers[module.layer_idx] = (query, key, value, scaling if scaling is not None else module.scaling)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def attach(model) -> Capture:
+    """Point `model`'s attention at the registered function and give every attention module one
+    shared `Capture` (an attribute on the module, read by the function)."""
+    register()
+    capture = Capture()
+    model.set_attn_implementation(NAME)
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
+            module._structkv_capture = capture
+    return capture
+
+
