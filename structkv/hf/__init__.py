@@ -173,9 +173,8 @@ def generate(model, tokenizer, prompt=None, *, state: HFState | None = None, met
         ids = _ids(tokenizer, prompt, add_special=False)
         logits = _feed(model, cache, ids, position)
         position += len(ids)
-    eos = set(getattr(model.generation_config, "eos_token_id", None) or []) if stop_at_eos else set()
-    if isinstance(model.generation_config.eos_token_id, int) and stop_at_eos:
-        eos = {model.generation_config.eos_token_id}
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None) if stop_at_eos else None
+    eos = {eos} if isinstance(eos, int) else set(eos or ())
     out = []
     for step in range(max_new_tokens):
         token = int(logits.argmax(-1))

@@ -24,7 +24,10 @@ class Capture:
 
 def register():
     """Register the attention function and its mask under `NAME` (once per process; idempotent)."""
-    from transformers import AttentionInterface, AttentionMaskInterface
+    try:
+        from transformers import AttentionInterface, AttentionMaskInterface
+    except ImportError as e:
+        raise ImportError("structkv.hf needs transformers >= 5: pip install 'structkv[hf]'") from e
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 
