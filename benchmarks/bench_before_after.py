@@ -41,7 +41,8 @@ def table(runs: dict[str, list[list[dict]]], labels: dict[str, str]) -> str:
         per = {}
         for rows in runs[side]:
             for r in rows:
-                per.setdefault((r["tokens"], r["method"]), []).append(r[key])
+                v = r[key]
+                per.setdefault((r["tokens"], r["method"]), []).append(v["median"] if isinstance(v, dict) else v)
         return {k: statistics.median(v) for k, v in per.items()}
 
     pre = {s: medians(s, "prefill_s") for s in runs}
@@ -65,6 +66,8 @@ def main(argv=None) -> int:
     p.add_argument("--after", type=Path, default=Path("."), help="checkout measured as 'after'")
     p.add_argument("--rounds", type=int, default=2, help="runs per checkout (alternating order)")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--report", action="store_true",
+                   help="write summary.md from the bench.json files already under --out (no new runs)")
     args = p.parse_args(argv[:split])
     bench_args = argv[split + 1:]
     if args.rounds < 1:
@@ -80,7 +83,13 @@ def main(argv=None) -> int:
         order = ("before", "after") if i % 2 == 0 else ("after", "before")
         for side in order:
             print(f"round {i + 1}: {side} ({labels[side]})", file=sys.stderr, flush=True)
-            runs[side].append(one_run(trees[side], bench_args, args.out / f"{side}_{labels[side]}_r{i + 1}"))
+            out = args.out / f"{side}_{labels[side]}_r{i + 1}"
+            if args.report:
+                if not (out / "bench.json").is_file():
+                    p.error(f"--report: {out / 'bench.json'} is missing; run without --report to measure it")
+                runs[side].append(json.loads((out / "bench.json").read_text())["rows"])
+            else:
+                runs[side].append(one_run(trees[side], bench_args, out))
     text = (f"# structkv bench, before ({labels['before']}) and after ({labels['after']}), alternating\n\n"
             f"`python benchmarks/bench_before_after.py {' '.join(argv)}`; medians over {args.rounds} run(s) "
             "per side.\n\n" + table(runs, labels) + "\n")

@@ -11,7 +11,8 @@ from structkv import methods
 pytest.importorskip("transformers")
 hf = pytest.importorskip("structkv.hf")
 
-METHODS = ["snapkv", "pyramidkv", "keydiff", "streaming_llm", "h2o", "full"]
+METHODS = ["snapkv", "pyramidkv", "keydiff", "streaming_llm", "h2o", "full",
+           "structkv", "structkv_paper", "fastkv", "gemfilter"]  # the last four prune tokens between layers
 
 
 def _ids(n, seed=0):
@@ -38,6 +39,10 @@ def test_same_entries_and_tokens_as_structkvs_decoder(pair, name):
         used = int(layer.cursor)
         assert torch.equal(kept.sort(-1).values, layer.pos[:, :, :used].sort(-1).values)
     assert torch.allclose(state.logits, mine.logits, atol=1e-5)
+    assert state.stats["prefill_fraction"] == pytest.approx(mine.stats.prefill_fraction)  # the same tokens computed
+    if name in ("structkv", "structkv_paper", "fastkv"):
+        assert state.stats["tokens_per_layer"] == mine.stats.tokens_per_layer
+        assert state.stats["prefill_fraction"] < 1.0  # past the pivot only the kept tokens are computed
     inside = hf.generate(model, None, ids, method=_method(name), max_new_tokens=10, stop_at_eos=False)
     assert inside["token_ids"] == structkv.generate(ours, ids, method=_method(name), max_new_tokens=10,
                                                     stop_at_eos=False, compile=False).token_ids
@@ -50,9 +55,6 @@ def test_same_entries_and_tokens_as_structkvs_decoder(pair, name):
 
 def test_unsupported_methods_and_models_are_refused(pair):
     model, _ = pair
-    for name in ("structkv", "fastkv", "gemfilter"):
-        with pytest.raises(ValueError, match="prunes tokens between layers"):
-            hf.compress(model, None, _ids(40), name)
     with pytest.raises(ValueError, match="extra passes"):
         hf.compress(model, None, _ids(40), "kvzip")
     gemma = make_hf_model("gemma3_text")

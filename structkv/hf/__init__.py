@@ -4,22 +4,25 @@
     state = structkv.hf.compress(model, tokenizer, document, "snapkv")   # kv_budget=... etc. as options
     out = structkv.hf.generate(model, tokenizer, "\\nQuestion: ...\\nAnswer:", state=state, max_new_tokens=32)
 
-How: the prompt runs once through the transformers model with structkv's attention function
-registered through transformers' own `AttentionInterface` (`structkv.hf.attention`: it records
-each layer's queries, keys and values, then runs transformers' SDPA attention); each layer's
-entries are then chosen by the method's own retention (`Method.retention`, `kv_scores`,
-`select_tokens`: the code structkv's decoder runs, written once) and the model's `DynamicCache`
-keeps only them. Decoding feeds the model explicit `position_ids` (the prompt's positions go on
-after the evicted ones) with `cache_position` over the kept entries, so RoPE and the mask are
-what the full prompt would give. The prompt is compressed after its full forward pass: the
-memory saved is the decode's cache, not the prefill's peak.
+How: structkv's attention function is registered through transformers' own `AttentionInterface`
+(`structkv.hf.attention`: it records each layer's queries, keys and values, then runs
+transformers' SDPA attention); each layer's entries are then chosen by the method's own retention
+(`Method.retention`, `kv_scores`, `select_tokens`: the code structkv's decoder runs, written once)
+and a `DynamicCache` keeps only them. Decoding feeds the model explicit `position_ids` (the
+prompt's positions go on after the evicted ones) with `cache_position` over the kept entries, so
+RoPE and the mask are what the full prompt would give.
 
-Supported: the post-prefill methods, whose every layer sees the whole prompt and keeps a subset
-(snapkv, pyramidkv, keydiff, streaming_llm, h2o, ...), on dense decoders (Llama, Mistral without a
-sliding window, Qwen2, Qwen3). Refused with a clear error: methods that prune tokens between
-layers (StructKV, FastKV, GemFilter: their prefill saving needs the layer loop, which
-transformers does not expose) or run extra passes (KVzip), and models with sliding-window layers
-(Gemma 3).
+Two kinds of method:
+- post-prefill (snapkv, pyramidkv, keydiff, streaming_llm, h2o, ...): the prompt runs once through
+  the model's own forward and every layer keeps a subset; the memory saved is the decode's cache,
+  not the prefill's peak;
+- token pruning between layers (structkv, fastkv, gemfilter): the prompt runs through the model's
+  layers one by one (`structkv.hf.pruned`), and past the method's pivot only the kept tokens are
+  computed: the prefill saving is real (`HFState.stats`: token-layers computed, seconds).
+
+Supported models: dense decoders (Llama, Mistral without a sliding window, Qwen2, Qwen3). Refused
+with a clear error: methods that run extra passes over the model (KVzip) and models with
+sliding-window layers (Gemma 3).
 """
 from __future__ import annotations
 
@@ -30,9 +33,9 @@ import torch
 
 from ..methods import Method, get
 from ..methods.base import Layout
-from ..modules.retention import Retention
 from ..modules.view import LayerView
 from .attention import attach
+from .pruned import run_pruned
 
 __all__ = ["HFState", "compress", "generate"]
 
@@ -41,13 +44,15 @@ __all__ = ["HFState", "compress", "generate"]
 class HFState:
     """A compressed prompt on a transformers model: its `cache` (a `DynamicCache` holding the kept
     entries), the last logits (1, V), the next position, and per layer the kept original positions
-    (1, Hkv, K) (`kept`)."""
+    (1, Hkv, K) (`kept`); `stats`: prefill seconds, tokens computed per layer and their share of
+    the full prompt's token-layers (`prefill_fraction`, 1.0 for post-prefill methods)."""
 
     cache: object
     logits: torch.Tensor
     next_position: int
     kept: list
     method: str
+    stats: dict | None = None
 
 
 class _Kept:
@@ -78,11 +83,7 @@ def _check(model, method: Method, layout: Layout, lengths: torch.Tensor) -> None
             cfg, "use_sliding_window", True):
         raise ValueError(f"structkv.hf: {cfg.model_type} has sliding-window layers, not supported here yet; "
                          "load it with structkv.load(...) (structkv's own decoder runs every method on it)")
-    if method.propagation(layout, lengths) is not None:
-        raise ValueError(f"structkv.hf: {method.name} prunes tokens between layers (its prefill saving needs the "
-                         "layer loop): run it in structkv's decoder (structkv.load), or pick a post-prefill method "
-                         "(snapkv, pyramidkv, keydiff, streaming_llm, h2o)")
-    if type(method.retention({}, _Kept(0))) is not Retention:
+    if type(method.retention({}, _Kept(0))).needs_model:
         raise ValueError(f"structkv.hf: {method.name} chooses its entries with extra passes over the model; run it in "
                          "structkv's decoder (structkv.load)")
 
@@ -101,7 +102,8 @@ def _ids(tokenizer, text, add_special: bool) -> list[int]:
 @torch.inference_mode()
 def compress(model, tokenizer, context, method="snapkv", **options) -> HFState:
     """Run `context` (text or token ids) through `model` once and keep what `method` (a structkv
-    method or its registered name, with `options` such as kv_budget=0.2) keeps of every layer."""
+    method or its registered name, with `options` such as kv_budget=0.2) keeps of every layer; a
+    method that prunes tokens between layers computes only its kept tokens past its pivot."""
     method = _method(method) if not options else get(method, **options)
     ids = _ids(tokenizer, context, add_special=True)
     L = model.config.num_hidden_layers
@@ -111,24 +113,68 @@ def compress(model, tokenizer, context, method="snapkv", **options) -> HFState:
     capture = getattr(model, "_structkv_capture", None) or attach(model)
     model._structkv_capture = capture
     tokens = torch.tensor([ids], device=model.device)
+    kept = _Kept(L)
+    prop = method.propagation(layout, lengths)
+    if prop is not None:
+        prop.begin(len(ids), model.device)
+    retention = method.retention(method.kv_plan(layout, lengths), kept)
+    if prop is None:
+        return _post_prefill(model, capture, tokens, method, retention, kept)
+    run = run_pruned(model, capture, tokens, prop, retention)
+    computed = sum(run["tokens_per_layer"])
+    if run["restart"] is not None:  # GemFilter: the kept tokens re-encoded, uncompressed
+        ids2, pos2 = run["restart"]
+        out = model(input_ids=ids2, position_ids=pos2, use_cache=True)
+        n = ids2.shape[1]
+        stats = {"prefill_s": run["prefill_s"], "tokens_per_layer": run["tokens_per_layer"] + [n] * L,
+                 "prefill_fraction": (computed + n * L) / (len(ids) * L)}
+        cache = _out_cache(out)
+        kept_pos = [pos2[:, None].expand(-1, layer.keys.shape[1], -1) for layer in cache.layers]
+        return HFState(cache, out.logits[:, -1].float(), int(pos2.max()) + 1, kept_pos, method.name,
+                       stats)
+    stats = {"prefill_s": run["prefill_s"], "tokens_per_layer": run["tokens_per_layer"],
+             "prefill_fraction": computed / (len(ids) * L)}
+    return HFState(_dynamic_cache(model, kept), run["logits"], run["next_position"], [p for _, _, p in kept.layers],
+                   method.name, stats)
+
+
+def _post_prefill(model, capture, tokens, method: Method, retention, kept: _Kept) -> HFState:
+    """The model's own forward once, then every layer's kept subset of its entries."""
+    from ..util.timing import clock
+
+    t0, (_, S) = clock(), tokens.shape
     capture.on, capture.layers = True, {}
     try:
         out = model(input_ids=tokens, use_cache=True)
     finally:
         capture.on = False
-    positions = torch.arange(len(ids), device=model.device)[None]  # (1, S)
-    kept = _Kept(L)
-    retention = method.retention(method.kv_plan(layout, lengths), kept)
-    for i in range(L):
+    positions = torch.arange(S, device=model.device)[None]  # (1, S)
+    for i in range(len(kept.layers)):
         q, k, v, scale = capture.layers[i]
-        retention.layer(LayerView(i, q, k, v, positions, positions, scale, lengths=[len(ids)]))
+        retention.layer(LayerView(i, q, k, v, positions, positions, scale, lengths=[S]))
         retention.after_propagation(None)
     retention.finish(None, tokens, {})
     capture.layers = {}
-    cache = out.past_key_values
+    cache = _out_cache(out)
     for layer, (k, v, _) in zip(cache.layers, kept.layers):
         layer.keys, layer.values = k.contiguous(), v.contiguous()
-    return HFState(cache, out.logits[:, -1].float(), len(ids), [p for _, _, p in kept.layers], method.name)
+    stats = {"prefill_s": clock() - t0, "tokens_per_layer": [S] * len(kept.layers), "prefill_fraction": 1.0}
+    return HFState(cache, out.logits[:, -1].float(), S, [p for _, _, p in kept.layers], method.name, stats)
+
+
+def _dynamic_cache(model, kept: _Kept):
+    """A transformers `DynamicCache` holding each layer's kept entries (B, Hkv, K, D)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for i, (k, v, _) in enumerate(kept.layers):
+        cache.update(k.contiguous(), v.contiguous(), i)
+    return cache
+
+
+def _out_cache(out):
+    """The cache a transformers forward returned (`cache` from 5.2x, `past_key_values` before)."""
+    return out.cache if hasattr(out, "cache") else out.past_key_values
 
 
 def _cache_arg(model) -> str:

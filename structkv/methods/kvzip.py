@@ -182,6 +182,8 @@ class ReconstructionRetention(Retention):
     memory during the prefill only (the final cache has the planned size); the reconstruction
     costs about one more prefill, reported as the retention's `extra_pass` (tokens run, seconds)."""
 
+    needs_model = True
+
     def __init__(self, method, plan: dict, cache):
         super().__init__(method, plan, cache)
         self.held: list[_Held] = []

@@ -28,6 +28,7 @@ class Retention:
     ({"tokens", "seconds"}): the prefill counts it as its own work."""
 
     extra_pass: dict | None = None
+    needs_model = False  # True: `finish` runs the model over the prompt again (KVzip)
 
     def __init__(self, method, plan: dict, cache):
         self.method, self.plan, self.cache = method, plan, cache
