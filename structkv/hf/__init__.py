@@ -124,7 +124,7 @@ def compress(model, tokenizer, context, method="snapkv", **options) -> HFState:
     computed = sum(run["tokens_per_layer"])
     if run["restart"] is not None:  # GemFilter: the kept tokens re-encoded, uncompressed
         ids2, pos2 = run["restart"]
-        out = model(input_ids=ids2, position_ids=pos2, use_cache=True)
+        out = model(input_ids=ids2, position_ids=pos2, use_cache=True, logits_to_keep=1)
         n = ids2.shape[1]
         stats = {"prefill_s": run["prefill_s"], "tokens_per_layer": run["tokens_per_layer"] + [n] * L,
                  "prefill_fraction": (computed + n * L) / (len(ids) * L)}
@@ -145,7 +145,7 @@ def _post_prefill(model, capture, tokens, method: Method, retention, kept: _Kept
     t0, (_, S) = clock(), tokens.shape
     capture.on, capture.layers = True, {}
     try:
-        out = model(input_ids=tokens, use_cache=True)
+        out = model(input_ids=tokens, use_cache=True, logits_to_keep=1)  # the last logits only, as the pruned loop
     finally:
         capture.on = False
     positions = torch.arange(S, device=model.device)[None]  # (1, S)
