@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 
 import torch
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from kvpress_peer import gguf_of  # noqa: E402  (the GGUF structkv loads for a model name)
+from kvpress_peer import gguf_of  # the GGUF structkv loads for a model name
 
 
 def main(argv=None) -> int:

@@ -34,6 +34,7 @@ import torch
 from ..methods import Method, get
 from ..methods.base import Layout
 from ..modules.view import LayerView
+from ..util.timing import clock
 from .attention import attach
 from .pruned import run_pruned
 
@@ -76,7 +77,7 @@ def _method(method) -> Method:
     return method if isinstance(method, Method) else get(method)
 
 
-def _check(model, method: Method, layout: Layout, lengths: torch.Tensor) -> None:
+def _check(model, method: Method) -> None:
     cfg = model.config
     types = getattr(cfg, "layer_types", None) or []
     if any(t != "full_attention" for t in types) or getattr(cfg, "sliding_window", None) and getattr(
@@ -109,7 +110,7 @@ def compress(model, tokenizer, context, method="snapkv", **options) -> HFState:
     L = model.config.num_hidden_layers
     layout = Layout(L, list(range(L)))
     lengths = torch.tensor([len(ids)])
-    _check(model, method, layout, lengths)
+    _check(model, method)
     capture = getattr(model, "_structkv_capture", None) or attach(model)
     model._structkv_capture = capture
     tokens = torch.tensor([ids], device=model.device)
@@ -124,9 +125,10 @@ def compress(model, tokenizer, context, method="snapkv", **options) -> HFState:
     computed = sum(run["tokens_per_layer"])
     if run["restart"] is not None:  # GemFilter: the kept tokens re-encoded, uncompressed
         ids2, pos2 = run["restart"]
+        t0 = clock()
         out = model(input_ids=ids2, position_ids=pos2, use_cache=True, logits_to_keep=1)
         n = ids2.shape[1]
-        stats = {"prefill_s": run["prefill_s"], "tokens_per_layer": run["tokens_per_layer"] + [n] * L,
+        stats = {"prefill_s": run["prefill_s"] + clock() - t0, "tokens_per_layer": run["tokens_per_layer"] + [n] * L,
                  "prefill_fraction": (computed + n * L) / (len(ids) * L)}
         cache = _out_cache(out)
         kept_pos = [pos2[:, None].expand(-1, layer.keys.shape[1], -1) for layer in cache.layers]
@@ -140,8 +142,6 @@ def compress(model, tokenizer, context, method="snapkv", **options) -> HFState:
 
 def _post_prefill(model, capture, tokens, method: Method, retention, kept: _Kept) -> HFState:
     """The model's own forward once, then every layer's kept subset of its entries."""
-    from ..util.timing import clock
-
     t0, (_, S) = clock(), tokens.shape
     capture.on, capture.layers = True, {}
     try:

@@ -48,7 +48,6 @@ def run_pruned(model, capture, tokens: torch.Tensor, prop, retention) -> dict:
     processed = []
     for i, layer in enumerate(base.layers[: model.config.num_hidden_layers]):
         processed.append(h.shape[1])
-        window = prop.window_needed(i)
         capture.on, capture.layers = True, {}
         try:
             h = layer(h, attention_mask=None, position_ids=positions,
@@ -57,8 +56,6 @@ def run_pruned(model, capture, tokens: torch.Tensor, prop, retention) -> dict:
             capture.on = False
         q, k, v, scale = capture.layers.pop(i)
         view = LayerView(i, q, k, v, positions, columns, scale, lengths=[h.shape[1]])
-        if window:
-            view.window_scores(window)
         kept = layer_steps([member], prop, view)
         if kept is None:
             continue
