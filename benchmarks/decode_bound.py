@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=1024, help="prompt tokens (middle-truncated)")
     p.add_argument("--continuation", type=int, default=1024)
     p.add_argument("--bounds", default="256,512,1024")
-    p.add_argument("--rules", default="window,redundancy,recent")
+    p.add_argument("--rules", default="window,redundancy,recent,centrality")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, required=True, help="records.jsonl (one line per record; resumes)")
     args = p.parse_args(argv)

@@ -10,6 +10,9 @@ from pathlib import Path
 
 from structkv.util.fetch import cache_root
 
+# `structkv.modules.decode_bound.RULES`, named here so `--help` does not import torch (a test checks they agree)
+DECODE_RULES = ("window", "redundancy", "recent", "centrality")
+
 DEMO_METHODS = ["full", "streaming_llm", "snapkv", "pyramidkv", "h2o", "gemfilter", "fastkv", "structkv",
                 "structkv_paper"]
 DEMO_TASKS = ["niah_single_1", "niah_single_2"]  # tasks the 270M model solves with the full cache
@@ -426,9 +429,10 @@ def main(argv=None) -> int:
                    help="bound every layer's KV entries while generating: a layer about to pass N evicts down "
                         "to a lower mark (sinks and the latest entries stay; docs/methods.md, 'A KV bound while "
                         "generating')")
-    g.add_argument("--decode-evict", choices=("window", "redundancy", "recent"), default=None,
+    g.add_argument("--decode-evict", choices=DECODE_RULES, default=None,
                    help="with --max-kv-tokens: what goes first (default recent: all but the sinks and the "
-                        "latest; window: the least attended by the latest generated tokens; redundancy)")
+                        "latest; window: the least attended by the latest generated tokens; redundancy; "
+                        "centrality: StructKV's prefill centrality carried on by the decode queries)")
     g.add_argument("--model", default="gemma-3-270m",
                    help="alias (gemma-3-270m, smollm2), HF folder, .gguf file or Hub id")
     g.add_argument("--chat", action="store_true",
@@ -563,7 +567,7 @@ def main(argv=None) -> int:
     s.add_argument("--max-kv-tokens", type=_positive_int, default=None,
                    help="bound every request's KV entries per layer while generating (a request's own "
                         "\"max_kv_tokens\" replaces it); default: unbounded")
-    s.add_argument("--decode-evict", choices=("window", "redundancy", "recent"), default=None,
+    s.add_argument("--decode-evict", choices=DECODE_RULES, default=None,
                    help="what a KV bound evicts first (default recent)")
     s.add_argument("--max-queue", type=_positive_int, default=16, help="requests waiting before 503 + Retry-After")
     s.add_argument("--max-batch", type=_positive_int, default=8,

@@ -38,10 +38,11 @@ def _run(model, prompt, new, bound, method=None):
 
 
 METHODS = [None, "snapkv", "structkv", "streaming_llm"]
+RULES = ["window", "redundancy", "recent", "centrality"]
 
 
 @given(bound=st.integers(4, 40), length=st.integers(5, 50), new=st.integers(1, 60),
-       rule=st.sampled_from(["window", "redundancy", "recent"]), method=st.sampled_from(METHODS),
+       rule=st.sampled_from(RULES), method=st.sampled_from(METHODS),
        arch=st.sampled_from(["llama", "gemma3_text"]))
 def test_bound_holds_at_every_step(models, bound, length, new, rule, method, arch):
     model = models[arch]
@@ -52,15 +53,18 @@ def test_bound_holds_at_every_step(models, bound, length, new, rule, method, arc
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
-def test_bound_never_reached_is_no_bound(models, arch):
+@pytest.mark.parametrize("rule", ["recent", "centrality"])
+def test_bound_never_reached_is_no_bound(models, arch, rule):
+    """(The centrality rule's full prefill is StructKV keeping everything: the full cache exactly.)"""
     model = models[arch]
     free = structkv.generate(model, _ids(30), max_new_tokens=40, stop_at_eos=False, compile=False)
-    big = structkv.generate(model, _ids(30), max_new_tokens=40, stop_at_eos=False, compile=False, max_kv_tokens=70)
+    big = structkv.generate(model, _ids(30), max_new_tokens=40, stop_at_eos=False, compile=False,
+                            max_kv_tokens=DecodeBound(70, rule))
     assert big.token_ids == free.token_ids
-    assert big.stats["kv_evictions"] == 0
+    assert big.stats["kv_evictions"] == 0 and big.stats["method"] == "full"
 
 
-@pytest.mark.parametrize("rule", ["window", "redundancy", "recent"])
+@pytest.mark.parametrize("rule", RULES)
 def test_sinks_and_recent_window_always_stay(models, rule):
     model = models["llama"]
     b = DecodeBound(24, rule, sinks=3, recent=6, every=4)
@@ -74,15 +78,71 @@ def test_sinks_and_recent_window_always_stay(models, rule):
                 assert set(range(newest - 5, newest + 1)) <= kept
 
 
-@pytest.mark.parametrize("method", [None, "snapkv"])
-def test_batched_rows_equal_alone(models, method):
+@pytest.mark.parametrize("method, rule", [(None, "redundancy"), ("snapkv", "redundancy"), ("structkv", "centrality"),
+                                          (None, "centrality")])
+def test_batched_rows_equal_alone(models, method, rule):
     model = models["gemma3_text"]
     prompts = [_ids(20, 1), _ids(45, 2), _ids(33, 3)]
     m = methods.get(method) if method else None
-    kw = dict(max_new_tokens=50, stop_at_eos=False, compile=False, max_kv_tokens=DecodeBound(28, "redundancy"))
+    kw = dict(max_new_tokens=80, stop_at_eos=False, compile=False, max_kv_tokens=DecodeBound(28, rule))
     together = structkv.generate(model, prompts, method=m, **kw).token_ids
     alone = [structkv.generate(model, p, method=m, **kw).token_ids for p in prompts]
     assert together == alone
+
+
+def test_structkv_prefill_seeds_the_centrality_rule(models):
+    """A StructKV prefill leaves its centrality (one layer's scale) in every layer's table; a prompt
+    longer than the bound then evicts by it before the first query: the kept entries are the
+    sinks, the recent window and the positions with the highest prefill centrality."""
+    model = models["llama"]
+    method = methods.get("structkv", kv_budget=1.0, struct_budget=1.0)
+    state = structkv.prefill(model, _ids(60), method, room=8)
+    table = state.cache.layers[0].carried[0, :60]
+    assert all(torch.equal(layer.carried[0, :60], table) for layer in state.cache.layers)
+    assert bool((table[:52] > 0).all())  # the observation window's 8 columns are never ranked: 0
+    b = DecodeBound(30, "centrality", sinks=2, recent=4, every=6)
+    run = next(_run(model, _ids(60), 1, b, method))
+    ranked = [p for p in table.argsort(descending=True).tolist() if 2 <= p < 56][:b.low - 2 - 4]
+    for layer in run.cache.layers:
+        kept = set(layer.pos[0, 0][layer.pos[0, 0] >= 0].tolist())
+        assert set(ranked) | {0, 1, 56, 57, 58, 59} <= kept
+
+
+def test_fold_matches_a_plain_loop():
+    """The carried centrality after a fold: decayed old table plus, per position, the attention each
+    new query gave it (softmax over the entries it could see), averaged over the new queries and
+    summed over all query heads."""
+    from structkv.models.kv_cache import LayerKVCache
+    from structkv.modules import decode_bound as db
+
+    torch.manual_seed(0)
+    B, Hkv, C, D, G, n = 2, 2, 12, 8, 2, 5
+    layer = LayerKVCache(B, Hkv, C, D, torch.float32, "cpu")
+    layer.write(torch.randn(B, Hkv, C, D), torch.randn(B, Hkv, C, D), torch.arange(C).repeat(B, 1))
+    layer.pos[1, 0, 3] = -1  # an evicted slot
+    layer.keep_queries(n, Hkv * G)
+    layer.q_recent.normal_()
+    layer.q_pos.copy_(torch.tensor([[7, 8, 9, 10, 11], [9, 10, 11, -1, -1]]))
+    layer.carry_centrality(C)
+    old = torch.rand(B, C)
+    layer.carried.copy_(old)
+    layer.carried_upto.copy_(torch.tensor([8, -1]))
+    db.fold(layer, [0, 1])
+    k = layer.k.float()
+    for b, new in ((0, [2, 3, 4]), (1, [0, 1, 2])):
+        want = old[b] * db.CARRY_DECAY ** (len(new) / db.QUERY_WINDOW)
+        for s in new:
+            qp = int(layer.q_pos[b, s])
+            for h in range(Hkv * G):
+                kv = h // G
+                seen = (layer.pos[b, kv] >= 0) & (layer.pos[b, kv] <= qp)
+                logits = (k[b, kv] @ layer.q_recent[b, h, s]).masked_fill(~seen, float("-inf"))
+                p = logits.softmax(-1)
+                for c in range(C):
+                    if seen[c]:
+                        want[int(layer.pos[b, kv, c])] += p[c] / len(new)
+        torch.testing.assert_close(layer.carried[b], want)
+    assert layer.carried_upto.tolist() == [11, 11]
 
 
 def test_compiled_equals_eager(models):
@@ -124,6 +184,13 @@ def test_long_prompt_buffer_shrinks_to_the_bound(models):
 def test_bad_bounds_are_refused(models, bad):
     with pytest.raises(ValueError, match="max_kv_tokens must be an int >= 1"):
         structkv.generate(models["llama"], _ids(10), max_new_tokens=4, compile=False, max_kv_tokens=bad)
+
+
+def test_the_cli_offers_every_rule():
+    from structkv.cli import DECODE_RULES
+    from structkv.modules import decode_bound
+
+    assert DECODE_RULES == decode_bound.RULES == tuple(RULES)
 
 
 def test_bad_rules_and_marks_are_refused():

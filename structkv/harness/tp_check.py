@@ -1,8 +1,9 @@
 """Tensor parallelism against one process: spawn `world` ranks on gloo (CPU), load each model folder
 whole and as a TP shard in every rank, and compare, for `full` and every registered method:
 logits, greedy tokens, pivots, tokens computed per layer, kept prompt columns and each rank's
-cache entries (its heads of the single-process cache). Used by tests/test_tensor_parallel.py and
-by benchmarks/gpu_check.sh (`python -m structkv.harness.tp_check FOLDER ...`).
+cache entries (its heads of the single-process cache), and a KV bound while generating (every
+rule). Used by tests/test_tensor_parallel.py and by benchmarks/gpu_check.sh
+(`python -m structkv.harness.tp_check FOLDER ...`).
 
 Every rank records what differs; rank 0 writes the union as JSON. A rank that raises ends the
 spawn with its traceback; collectives time out (`timeout_s`), so a lost rank never hangs the run.
@@ -51,9 +52,29 @@ def compare_folder(folder: str, world: int, compile_decode: bool = False) -> lis
         tb = structkv.generate(shard, rows, **kw).token_ids
         if ta != tb:
             bad.append(f"{folder} {name}: greedy tokens differ: {ta} vs {tb}")
+    bad += _bounded_decode(whole, shard, rows, folder)
     if compile_decode:
         bad += _compiled_decode(whole, shard, rows, folder)
         bad += _quantized_kv(whole, shard, rows, tokens, positions, folder)
+    return bad
+
+
+def _bounded_decode(whole, shard, rows, folder) -> list[str]:
+    """A KV bound while generating, every rule, after a StructKV prefill (the centrality rule sums
+    its heads over the ranks): the same tokens and peak entries as one process."""
+    import structkv
+    from structkv import methods
+    from structkv.modules import DecodeBound
+    from structkv.modules.decode_bound import RULES
+
+    bad = []
+    for rule in RULES:
+        kw = dict(method=methods.get("structkv"), max_new_tokens=40, stop_at_eos=False, compile=False,
+                  max_kv_tokens=DecodeBound(24, rule))
+        a, b = structkv.generate(whole, rows, **kw), structkv.generate(shard, rows, **kw)
+        if a.token_ids != b.token_ids or a.stats["kv_entries_max"] != b.stats["kv_entries_max"]:
+            bad.append(f"{folder} bound rule {rule}: {a.token_ids} / {a.stats['kv_entries_max']} vs "
+                       f"{b.token_ids} / {b.stats['kv_entries_max']}")
     return bad
 
 

@@ -72,6 +72,10 @@ class LayerKVCache(nn.Module):
         # any compiled step, so the step sees a constant
         self.kernel = self.pos.device.type == "cpu" and cpu_decode.available()
         self.query_slots = 0  # > 0: the last decode queries are kept (`keep_queries`, a decode-time KV bound)
+        # a decode bound's "centrality" rule: a score per position (B, P) and the last query position
+        # folded into it (B,), -1 none (`carry_centrality`)
+        self.register_buffer("carried", None, persistent=False)
+        self.register_buffer("carried_upto", None, persistent=False)
 
     def _plane_specs(self, head_dim: int, dtype) -> dict:
         """name -> (last dimension, dtype) of every plane, k's then v's."""
@@ -146,13 +150,32 @@ class LayerKVCache(nn.Module):
         self.register_buffer("q_pos", torch.full((B, slots), -1, dtype=torch.long, device=device))
 
     def take_queries(self, other: "LayerKVCache", rows: torch.Tensor | None = None, at: int = 0) -> None:
-        """Carry `other`'s kept queries (its `rows`, default all) into this layer's rows from `at`."""
-        if not other.query_slots:
-            return
-        self.keep_queries(other.query_slots, other.q_recent.shape[1])
-        q, qp = (other.q_recent, other.q_pos) if rows is None else (other.q_recent[rows], other.q_pos[rows])
-        self.q_recent[at:at + q.shape[0]] = q
-        self.q_pos[at:at + q.shape[0]] = qp
+        """Carry `other`'s decode-time memory, its kept queries and its carried centrality (its
+        `rows`, default all), into this layer's rows from `at`."""
+        if other.query_slots:
+            self.keep_queries(other.query_slots, other.q_recent.shape[1])
+            q, qp = (other.q_recent, other.q_pos) if rows is None else (other.q_recent[rows], other.q_pos[rows])
+            self.q_recent[at:at + q.shape[0]] = q
+            self.q_pos[at:at + q.shape[0]] = qp
+        if other.carried is not None:
+            c, u = other.carried, other.carried_upto
+            if rows is not None:
+                c, u = c[rows], u[rows]
+            self.carry_centrality(c.shape[1])
+            self.carried[at:at + c.shape[0], :c.shape[1]] = c
+            self.carried_upto[at:at + c.shape[0]] = u
+
+    def carry_centrality(self, positions: int) -> None:
+        """Hold a score per position, carried (B, P >= `positions`) float32, across decode steps (the
+        "centrality" rule of `structkv.modules.decode_bound`: StructKV's centrality from the prefill,
+        accumulated over decode queries); grown, never shrunk. A table per position, not per slot,
+        so compaction, resizing and rings leave it as it is."""
+        B, device = self.pos.shape[0], self.pos.device
+        if self.carried is None:
+            self.carried = torch.zeros(B, positions, device=device)
+            self.carried_upto = torch.full((B,), -1, dtype=torch.long, device=device)
+        elif self.carried.shape[1] < positions:
+            self.carried = torch.nn.functional.pad(self.carried, (0, positions - self.carried.shape[1]))
 
     def _keep_query(self, q: torch.Tensor, positions: torch.Tensor) -> None:
         """Write one scaled query per row, q (B, Hq, 1, D) at positions (B, 1), into the ring."""

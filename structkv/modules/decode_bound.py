@@ -16,9 +16,20 @@ ranked by a decode-time rule:
 - "recent": the sinks and the most recent entries only (StreamingLLM). The default: on the
   development split its KL was within 10 % of "window"'s at the cost of no scoring
   (docs/results/decode_bound).
+- "centrality": StructKV's centrality carried forward. A StructKV prefill leaves each prompt
+  position's global in-degree centrality (decayed over depth, normalised to one layer's scale) in
+  every layer's table (`LayerKVCache.carried`); while generating, each layer folds the attention
+  its decode queries give each position into its table every 32 tokens (and before it evicts):
+  C <- CARRY_DECAY * C + mean attention per new query, summed over heads. An entry's score is its
+  position's C, shared by the layer's heads (one ranking per token, as StructKV's), so what the
+  prompt's structure made central stays until the answer stops reading it. A full prefill under
+  this rule runs StructKV keeping every entry (`structkv.runtime.generation.keep_everything`: the
+  same cache and logits, exactly) so the table exists; a state compressed by a method without
+  centrality starts empty, and the rule is then a decayed in-degree over the decode queries.
 
 Until the first decode query is kept (a prompt longer than the bound, evicted before the first
-token) the query-based rules rank by novelty alone. Rows evict independently (their own counts,
+token) the query-based rules rank by novelty alone (the centrality rule by the prefill's table
+when it has one). Rows evict independently (their own counts,
 their own scores), so a batched row keeps exactly what it keeps alone. Eviction empties slots
 (position -1); a full-attention layer is then compacted (`LayerKVCache.compact`) so its cursor
 never passes the bound; a sliding-window ring keeps its slots and refills the emptied ones.
@@ -30,16 +41,17 @@ from dataclasses import dataclass
 
 import torch
 
-RULES = ("window", "redundancy", "recent")
+RULES = ("window", "redundancy", "recent", "centrality")
 NOVELTY_CHUNK = 1024  # keys whose similarities to every other key are held at once
-QUERY_WINDOW = 32  # decode queries each layer keeps for the "window" and "redundancy" rules
+QUERY_WINDOW = 32  # decode queries each layer keeps for the query-based rules
+CARRY_DECAY = 0.9  # the "centrality" rule's decay per QUERY_WINDOW generated tokens (StructKV's depth decay)
 
 
 @dataclass(frozen=True)
 class DecodeBound:
     """At most `max_tokens` entries per (row, KV head) in every layer while generating.
 
-    `rule`: "window", "redundancy" or "recent" (module docstring); `every`: tokens between
+    `rule`: "window", "redundancy", "recent" or "centrality" (module docstring); `every`: tokens between
     evictions (the low mark is `max_tokens - every`); `sinks`, `recent`: first positions and
     latest entries that always stay. None: scaled to the bound (every max_tokens // 8 up to 64,
     sinks up to 4, recent up to 32, each at most a quarter of the bound)."""
@@ -97,19 +109,24 @@ class BoundedDecode:
     (it evicts the rows that would pass their bound) and `after_step()` after it. `stats()` gives
     the peak entries per layer (`kv_entries_max`), the evictions (layer x row events) and their time.
 
-    `bounds`: one `DecodeBound` (or None: unbounded) per row; `group`: query heads per KV head. A
-    full-attention layer whose rows are all bounded is sized to the largest bound (room for it + 1)
-    once its entries fit: a long prompt's buffer shrinks at its first eviction, a state's grows when
-    its room runs out."""
+    `bounds`: one `DecodeBound` (or None: unbounded) per row; `group`: query heads per KV head;
+    `reduce`: sums a tensor over tensor-parallel ranks (None: one process), so the centrality rule's
+    sum over heads counts every rank's heads. A full-attention layer whose rows are all bounded is
+    sized to the largest bound (room for it + 1) once its entries fit: a long prompt's buffer
+    shrinks at its first eviction, a state's grows when its room runs out."""
 
-    def __init__(self, bounds: list, cache, group: int):
-        self.bounds, self.cache = list(bounds), cache
+    def __init__(self, bounds: list, cache, group: int, reduce=None):
+        self.bounds, self.cache, self.reduce = list(bounds), cache, reduce
         self.counts = [_entries_per_row(layer) for layer in cache.layers]  # per layer: (B,) ints
         self.peak = [0] * len(self.counts)  # over decode steps
         self.evictions, self.evict_s = 0, 0.0
+        carrying = [r for r, b in enumerate(self.bounds) if b is not None and b.rule == "centrality"]
+        self.carrying = carrying  # rows whose layers fold their queries into the carried centrality
         if any(b is not None and b.rule != "recent" for b in self.bounds):
             for layer in cache.layers:
                 layer.keep_queries(QUERY_WINDOW, layer.pos.shape[1] * group)  # this rank's query heads
+                if carrying:
+                    layer.carry_centrality(int(layer.pos.max()) + 1)
 
     def before_step(self) -> None:
         t0 = time.perf_counter()
@@ -118,7 +135,10 @@ class BoundedDecode:
                     if b is not None and n + 1 > b.max_tokens]
             full = layer.sliding_window is None
             for bound in {self.bounds[r] for r in over}:
-                _evict(layer, [r for r in over if self.bounds[r] == bound], bound)
+                group = [r for r in over if self.bounds[r] == bound]
+                if bound.rule == "centrality":
+                    fold(layer, group, self.reduce)
+                _evict(layer, group, bound)
             if over:
                 self.evictions += len(over)
                 self.counts[i] = _entries_per_row(layer)
@@ -149,6 +169,15 @@ class BoundedDecode:
             cap = layer.capacity if layer.sliding_window is not None else None
             self.counts[i] = [n + 1 if cap is None else min(n + 1, cap) for n in self.counts[i]]
             self.peak[i] = max(self.peak[i], max(self.counts[i], default=0))
+        if not self.carrying:
+            return
+        t0 = time.perf_counter()
+        fed = self.cache.layers[0].q_pos.amax(-1).tolist()  # each row's position just fed (one small read)
+        due = [r for r in self.carrying if (fed[r] + 1) % QUERY_WINDOW == 0]  # by position: a row's own cadence
+        for layer in self.cache.layers if due else ():
+            fold(layer, due, self.reduce)
+        if due:
+            self.evict_s += time.perf_counter() - t0
 
     def stats(self) -> dict:
         bound = next((b for b in self.bounds if b is not None), None)
@@ -189,6 +218,10 @@ def scores(layer, index: torch.Tensor, pos: torch.Tensor, rule: str) -> torch.Te
     if rule == "recent":
         return pos.float()
     k = layer.read(torch.float32)[0].index_select(0, index).float()  # (R, Hkv, C, D)
+    if rule == "centrality":
+        carried = layer.carried.index_select(0, index).gather(1, pos.clamp_min(0).flatten(1)).view_as(pos)
+        # (R, Hkv, C): each entry's position's score; novelty while some head's table is empty
+        return carried if bool((carried > 0).any(-1).all()) else key_novelty(k, pos)
     novelty = key_novelty(k, pos)
     attention = window_attention(layer, index, k, pos)
     if attention is None:
@@ -221,6 +254,12 @@ def window_attention(layer, index: torch.Tensor, k: torch.Tensor, pos: torch.Ten
     q_pos = layer.q_pos.index_select(0, index)  # (R, n)
     if not bool((q_pos >= 0).any()):
         return None
+    return query_attention(layer, index, k, pos, q_pos)
+
+
+def query_attention(layer, index: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, q_pos: torch.Tensor):
+    """The attention the kept queries at `q_pos` (R, n; -1: not counted) gave each entry, summed
+    over those queries and the query heads of its KV head (R, Hkv, C)."""
     q = layer.q_recent.index_select(0, index)  # (R, Hq, n, D), scaled
     R, Hq, n, D = q.shape
     Hkv = k.shape[1]
@@ -231,3 +270,37 @@ def window_attention(layer, index: torch.Tensor, k: torch.Tensor, pos: torch.Ten
         seen &= pos[:, :, None, None, :] > q_pos[:, None, None, :, None] - layer.sliding_window
     p = torch.nan_to_num(logits.masked_fill(~seen, float("-inf")).softmax(-1), nan=0.0)
     return p.sum(dim=(2, 3))  # (R, Hkv, C)
+
+
+def fold(layer, rows: list[int], reduce=None) -> None:
+    """Fold the queries `rows` kept since their last fold into the layer's carried centrality:
+    C <- CARRY_DECAY^(new / QUERY_WINDOW) * C + the mean attention per new query, summed over the
+    layer's heads (every rank's, through `reduce`) onto positions."""
+    index = torch.tensor(rows, device=layer.pos.device)
+    q_pos = layer.q_pos.index_select(0, index)  # (R, n)
+    new = q_pos > layer.carried_upto.index_select(0, index)[:, None]  # (R, n)
+    pos = layer.pos.index_select(0, index)  # (R, Hkv, C)
+    layer.carry_centrality(int(pos.max()) + 1)
+    k = layer.read(torch.float32)[0].index_select(0, index).float()  # (R, Hkv, C, D)
+    count = new.sum(-1)  # (R,)
+    attention = query_attention(layer, index, k, pos, q_pos.masked_fill(~new, -1))  # (R, Hkv, C)
+    attention = attention / count.clamp_min(1)[:, None, None]
+    step = torch.zeros(len(rows), layer.carried.shape[1], device=pos.device)  # (R, P)
+    step.scatter_add_(1, pos.clamp_min(0).flatten(1), attention.masked_fill(pos < 0, 0).flatten(1))
+    if reduce is not None:
+        step = reduce(step)
+    factor = CARRY_DECAY ** (count.float() / QUERY_WINDOW)  # (R,)
+    layer.carried[index] = layer.carried.index_select(0, index) * factor[:, None] + step
+    layer.carried_upto[index] = torch.maximum(q_pos.amax(-1), layer.carried_upto.index_select(0, index))
+
+
+def seed_centrality(cache, centrality: torch.Tensor, positions: torch.Tensor, weight: float) -> None:
+    """Put a StructKV prefill's centrality, C (B, N) on the prompt's columns at `positions` (B, N;
+    -1 padding), divided by `weight` (the sum of its depth-decay weights: one layer's scale), into
+    every layer's carried table: the "centrality" rule's start."""
+    size = int(positions.max()) + 1
+    table = torch.zeros(positions.shape[0], size + 1, device=positions.device)  # the last column takes padding
+    table.scatter_(1, torch.where(positions >= 0, positions, size), centrality.float() / weight)
+    for layer in cache.layers:
+        layer.carry_centrality(size)
+        layer.carried[:, :size] = table[:, :size]

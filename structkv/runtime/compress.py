@@ -38,6 +38,7 @@ from ..methods import Full, Method
 from ..models.decoder import STOP, run_block
 from ..modules import LayerView
 from ..modules.budgeted_cache import BudgetedKVCache
+from ..modules.decode_bound import seed_centrality
 from ..text.prompts import encode_batch, is_batch
 from ..util.timing import NO_TIMER, Timer, clock
 from . import probe as probing
@@ -362,7 +363,21 @@ def _compress(model, tokens, positions, methods, room, compile, timer, observe, 
     context = lengths - probe  # what the states and their stats speak of
     while pending:
         _run_stream(model, tokens, *pending.pop(0), pending, context, room, compile, ledger, block)
-    return _states(model, targets, lanes, context, clock() - t0, ledger)
+    states = _states(model, targets, lanes, context, clock() - t0, ledger)
+    _carry_centrality(lanes, positions)
+    return states
+
+
+def _carry_centrality(lanes: list[_Lane], positions: torch.Tensor) -> None:
+    """A StructKV lane's centrality goes on with its states' caches: a decode bound's "centrality"
+    rule starts from it (`structkv.modules.decode_bound`), at one layer's scale."""
+    for lane in lanes:
+        tracker = getattr(lane.prop, "tracker", None)
+        if tracker is None or tracker.value is None or not tracker.layers:
+            continue
+        weight = sum(tracker.decay ** (tracker.layers[-1] - layer) for layer in tracker.layers)
+        for target in lane.targets:
+            seed_centrality(target.state.cache, tracker.value, positions, weight)
 
 
 def _lanes(targets: list[_Target]) -> list[_Lane]:

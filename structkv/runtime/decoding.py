@@ -101,7 +101,8 @@ def bounded(model, cache, max_kv_tokens):
     if bound is None:
         return None
     group = model.config.num_heads // model.config.num_kv_heads  # query heads per KV head
-    return BoundedDecode([bound] * cache.layers[0].pos.shape[0], cache, group)
+    tp = getattr(model, "tp", None)
+    return BoundedDecode([bound] * cache.layers[0].pos.shape[0], cache, group, tp.all_reduce if tp else None)
 
 
 def decode_tokens(rows: Decoding, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,

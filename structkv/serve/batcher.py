@@ -153,5 +153,7 @@ class Batch:
         room = max(r.remaining if r.bound is None else min(r.remaining, r.bound.max_tokens + 1) for r in rows) + 1
         cache = StackedKVCache(parts, room=room, sliding_windows=self.sliding_windows)
         bounds = [r.bound for r in rows]
-        bound = BoundedDecode(bounds, cache, self.group) if any(b is not None for b in bounds) else None
+        tp = getattr(self.model, "tp", None)
+        bound = BoundedDecode(bounds, cache, self.group, tp.all_reduce if tp else None) \
+            if any(b is not None for b in bounds) else None
         self.running = Decoding(self.model, cache, None, torch.cat(positions), self.step_fn, bound)  # positions (R, 1)
