@@ -14,13 +14,11 @@ token-layers computed and the K+V bytes kept.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 from pathlib import Path
 
 import torch
-from kvpress_peer import gguf_of, hf_model
+from kvpress_peer import gguf_of, hf_model, run_peer
 
 
 @torch.inference_mode()
@@ -43,41 +41,18 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    import structkv
-    from structkv.harness.eval.runner import EvalConfig, _read_predictions, build_samples, sample_key, score
 
-    source = Path(args.source)
-    stored = json.loads((source / "config.json").read_text())["config"]
-    if not stored.get("question_after"):
-        raise SystemExit(f"{source} was not made with --question-after-compression: make the folder in that mode")
-    cfg = EvalConfig(**{k: v for k, v in stored.items() if k in EvalConfig.__dataclass_fields__})
-    cfg.samples = args.samples or cfg.samples
-    ours = structkv.load(cfg.model)
-    model = hf_model(gguf_of(cfg.model), ours.config.eos_token_ids or ours.tokenizer.eos_ids)
-    out = Path(args.out or f"{source}_hf")
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source / "config.json", out / "config.json")  # the same identity settings: the folders pair
-    done = _read_predictions(out / "predictions.jsonl") if (out / "predictions.jsonl").exists() else {}
+    def setup(ours, cfg):
+        model = hf_model(gguf_of(cfg.model), ours.config.eos_token_ids or ours.tokenizer.eos_ids)
+
+        def one(name, budget, sample, cap):
+            ids, stats, kept = answer(model, name, budget, sample["input_ids"], sample["question_ids"], cap)
+            return ours.tokenizer.decode(ids), {"kv_bytes_kept": kept, "prefill_s": stats["prefill_s"],
+                                                "prefill_fraction": stats["prefill_fraction"]}
+        return one
+
     runs = [(m, float(b)) for m in args.methods.split(",") for b in args.kv_budget.split(",")]
-    with (out / "predictions.jsonl").open("a") as sink:
-        for sample in build_samples(cfg, ours.tokenizer):
-            for name, budget in runs:
-                label = f"hf:{name}@{budget:g}"
-                key = sample_key(label, sample)
-                if key in done:
-                    continue
-                cap = sample["max_new_tokens"] if cfg.max_new_tokens is None else min(cfg.max_new_tokens,
-                                                                                     sample["max_new_tokens"])
-                ids, stats, kept = answer(model, name, budget, sample["input_ids"], sample["question_ids"], cap)
-                said = ours.tokenizer.decode(ids)
-                record = {"key": key, "label": label, "method": f"hf:{name}", "kv_budget": budget,
-                          "task": sample["task"], "index": sample["index"], "length_budget": sample["length_budget"],
-                          "prompt_tokens": len(sample["input_ids"]) + len(sample["question_ids"]), "prediction": said,
-                          "outputs": sample["outputs"], "score": score(sample, said), "kv_bytes_kept": kept,
-                          "prefill_s": stats["prefill_s"], "prefill_fraction": stats["prefill_fraction"]}
-                sink.write(json.dumps(record) + "\n")
-                sink.flush()
-                print(f"{label} {sample['task']} #{sample['index']}: {record['score']:.0f}", file=sys.stderr)
+    run_peer(Path(args.source), args.out, args.samples, "hf", runs, setup)
     return 0
 
 

@@ -30,7 +30,6 @@ import torch
 from kvpress_peer import gguf_of, hf_model
 
 PRESSES = ("streaming_llm", "snapkv", "knorm")
-OURS = {"streaming_llm": "recent", "snapkv": "window", "knorm": None}  # the structkv rule each resembles
 
 
 def scorer(name: str, every: int, compression_ratio: float = 0.0):

@@ -99,6 +99,46 @@ def answer(model, text: _Text, press, context: list[int], question: list[int], m
     return out, kept
 
 
+def run_peer(source: Path, out: Path | None, samples: int | None, prefix: str, runs: list[tuple[str, float]],
+             setup, why: str = "") -> None:
+    """Answer every prompt of the structkv eval folder `source` (made with
+    --question-after-compression) once per (name, R_KV) of `runs`, into `out`/predictions.jsonl
+    (default SOURCE_<prefix>) with labels `<prefix>:<name>@<R_KV>`, so the folders pair prompt by
+    prompt; resumes. `setup(ours, cfg)` returns `answer(name, budget, sample, cap) -> (prediction,
+    extra record fields)`, `ours` being structkv's model of the folder."""
+    import structkv
+    from structkv.harness.eval.runner import EvalConfig, _read_predictions, build_samples, sample_key, score
+
+    stored = json.loads((source / "config.json").read_text())["config"]
+    if not stored.get("question_after"):
+        raise SystemExit(f"{source} was not made with --question-after-compression: {why}make the folder in that mode")
+    cfg = EvalConfig(**{k: v for k, v in stored.items() if k in EvalConfig.__dataclass_fields__})
+    cfg.samples = samples or cfg.samples
+    ours = structkv.load(cfg.model)
+    answer = setup(ours, cfg)
+    out = Path(out or f"{source}_{prefix}")
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source / "config.json", out / "config.json")  # the same identity settings: the folders pair
+    done = _read_predictions(out / "predictions.jsonl") if (out / "predictions.jsonl").exists() else {}
+    with (out / "predictions.jsonl").open("a") as sink:
+        for sample in build_samples(cfg, ours.tokenizer):
+            for name, budget in runs:
+                label = f"{prefix}:{name}@{budget:g}"
+                key = sample_key(label, sample)
+                if key in done:
+                    continue
+                cap = sample["max_new_tokens"] if cfg.max_new_tokens is None else min(cfg.max_new_tokens,
+                                                                                     sample["max_new_tokens"])
+                said, extra = answer(name, budget, sample, cap)
+                record = {"key": key, "label": label, "method": f"{prefix}:{name}", "kv_budget": budget,
+                          "task": sample["task"], "index": sample["index"], "length_budget": sample["length_budget"],
+                          "prompt_tokens": len(sample["input_ids"]) + len(sample["question_ids"]), "prediction": said,
+                          "outputs": sample["outputs"], "score": score(sample, said), **extra}
+                sink.write(json.dumps(record) + "\n")
+                sink.flush()
+                print(f"{label} {sample['task']} #{sample['index']}: {record['score']:.0f}", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("source", help="a structkv eval folder made with --question-after-compression")
@@ -111,42 +151,19 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     import kvpress  # noqa: F401  (registers the pipeline)
 
-    import structkv
-    from structkv.harness.eval.runner import EvalConfig, _read_predictions, build_samples, sample_key, score
+    def setup(ours, cfg):
+        model = hf_model(gguf_of(cfg.model), ours.config.eos_token_ids or ours.tokenizer.eos_ids)
+        text = _Text(ours.tokenizer)
 
-    source = Path(args.source)
-    stored = json.loads((source / "config.json").read_text())["config"]
-    if not stored.get("question_after"):
-        raise SystemExit(f"{source} was not made with --question-after-compression: kvpress compresses the context "
-                         "without the question; make the folder in that mode")
-    cfg = EvalConfig(**{k: v for k, v in stored.items() if k in EvalConfig.__dataclass_fields__})
-    cfg.samples = args.samples or cfg.samples
-    ours = structkv.load(cfg.model)
-    model = hf_model(gguf_of(cfg.model), ours.config.eos_token_ids or ours.tokenizer.eos_ids)
-    text = _Text(ours.tokenizer)
-    out = Path(args.out or f"{source}_kvpress")
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source / "config.json", out / "config.json")  # the same identity settings: the folders pair
-    done = _read_predictions(out / "predictions.jsonl") if (out / "predictions.jsonl").exists() else {}
+        def one(name, budget, sample, cap):
+            said, kept = answer(model, text, make_press(name, budget), sample["input_ids"], sample["question_ids"],
+                                cap)
+            return said, {"kv_bytes_kept": kept}
+        return one
+
     runs = [(p, float(b)) for p in args.presses.split(",") for b in args.kv_budget.split(",")]
-    with (out / "predictions.jsonl").open("a") as sink:
-        for sample in build_samples(cfg, ours.tokenizer):
-            for name, budget in runs:
-                label = f"kvpress:{name}@{budget:g}"
-                key = sample_key(label, sample)
-                if key in done:
-                    continue
-                cap = sample["max_new_tokens"] if cfg.max_new_tokens is None else min(cfg.max_new_tokens,
-                                                                                     sample["max_new_tokens"])
-                said, kept = answer(model, text, make_press(name, budget), sample["input_ids"], sample["question_ids"],
-                                    cap)
-                record = {"key": key, "label": label, "method": f"kvpress:{name}", "kv_budget": budget,
-                          "task": sample["task"], "index": sample["index"], "length_budget": sample["length_budget"],
-                          "prompt_tokens": len(sample["input_ids"]) + len(sample["question_ids"]), "prediction": said,
-                          "outputs": sample["outputs"], "score": score(sample, said), "kv_bytes_kept": kept}
-                sink.write(json.dumps(record) + "\n")
-                sink.flush()
-                print(f"{label} {sample['task']} #{sample['index']}: {record['score']:.0f}", file=sys.stderr)
+    run_peer(Path(args.source), args.out, args.samples, "kvpress", runs, setup,
+             why="kvpress compresses the context without the question; ")
     return 0
 
 

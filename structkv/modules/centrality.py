@@ -61,6 +61,13 @@ class CentralityTracker(nn.Module):
             self.layers.append(layer)
         return self.value
 
+    def per_layer(self) -> torch.Tensor:
+        """C divided by the sum of its depth-decay weights: a weighted mean over the scored layers,
+        on one layer's scale (B, N) (what a decode bound's "centrality" rule starts from)."""
+        last = self.layers[-1] if self.layers else 0
+        weight = sum(self.decay ** (last - layer) for layer in self.layers) if self.layers else 1.0
+        return self.value / weight
+
     def current(self, columns: torch.Tensor) -> torch.Tensor:
         """Centrality of the current tokens: (B, n)."""
         return self.value.gather(1, columns)

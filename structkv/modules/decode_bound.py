@@ -217,12 +217,14 @@ def scores(layer, index: torch.Tensor, pos: torch.Tensor, rule: str) -> torch.Te
     """(R, Hkv, C) float32: how much each entry of rows `index` is worth keeping under `rule`."""
     if rule == "recent":
         return pos.float()
-    k = layer.read(torch.float32)[0].index_select(0, index).float()  # (R, Hkv, C, D)
     if rule == "centrality":
         carried = layer.carried.index_select(0, index).gather(1, pos.clamp_min(0).flatten(1)).view_as(pos)
-        # (R, Hkv, C): each entry's position's score; novelty while some head's table is empty
-        return carried if bool((carried > 0).any(-1).all()) else key_novelty(k, pos)
+        if bool((carried > 0).any(-1).all()):  # (R, Hkv, C): each entry's position's score
+            return carried
+    k = layer.read(torch.float32)[0].index_select(0, index).float()  # (R, Hkv, C, D)
     novelty = key_novelty(k, pos)
+    if rule == "centrality":  # some head's table is still empty
+        return novelty
     attention = window_attention(layer, index, k, pos)
     if attention is None:
         return novelty
@@ -294,13 +296,13 @@ def fold(layer, rows: list[int], reduce=None) -> None:
     layer.carried_upto[index] = torch.maximum(q_pos.amax(-1), layer.carried_upto.index_select(0, index))
 
 
-def seed_centrality(cache, centrality: torch.Tensor, positions: torch.Tensor, weight: float) -> None:
+def seed_centrality(cache, centrality: torch.Tensor, positions: torch.Tensor) -> None:
     """Put a StructKV prefill's centrality, C (B, N) on the prompt's columns at `positions` (B, N;
-    -1 padding), divided by `weight` (the sum of its depth-decay weights: one layer's scale), into
-    every layer's carried table: the "centrality" rule's start."""
+    -1 padding) at one layer's scale (`CentralityTracker.per_layer`), into every layer's carried
+    table: the "centrality" rule's start."""
     size = int(positions.max()) + 1
     table = torch.zeros(positions.shape[0], size + 1, device=positions.device)  # the last column takes padding
-    table.scatter_(1, torch.where(positions >= 0, positions, size), centrality.float() / weight)
+    table.scatter_(1, torch.where(positions >= 0, positions, size), centrality.float())
     for layer in cache.layers:
         layer.carry_centrality(size)
         layer.carried[:, :size] = table[:, :size]

@@ -375,9 +375,8 @@ def _carry_centrality(lanes: list[_Lane], positions: torch.Tensor) -> None:
         tracker = getattr(lane.prop, "tracker", None)
         if tracker is None or tracker.value is None or not tracker.layers:
             continue
-        weight = sum(tracker.decay ** (tracker.layers[-1] - layer) for layer in tracker.layers)
         for target in lane.targets:
-            seed_centrality(target.state.cache, tracker.value, positions, weight)
+            seed_centrality(target.state.cache, tracker.per_layer(), positions)
 
 
 def _lanes(targets: list[_Target]) -> list[_Lane]:

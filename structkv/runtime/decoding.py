@@ -93,16 +93,19 @@ class Decoding:
 
 
 def bounded(model, cache, max_kv_tokens):
-    """A `BoundedDecode` for `generate`'s `max_kv_tokens` (an int or a `DecodeBound`) on
-    `cache`, or None without a bound."""
+    """A `BoundedDecode` on `cache` for `generate`'s `max_kv_tokens` (an int or a `DecodeBound`, for
+    every row) or a list of them (one per row, None: unbounded), or None without any bound. Under
+    tensor parallelism its sums over heads go over the ranks."""
     from ..modules.decode_bound import BoundedDecode, DecodeBound
 
-    bound = DecodeBound.of(max_kv_tokens)
-    if bound is None:
+    rows = cache.layers[0].pos.shape[0]
+    bounds = [DecodeBound.of(b) for b in max_kv_tokens] if isinstance(max_kv_tokens, list) \
+        else [DecodeBound.of(max_kv_tokens)] * rows
+    if all(b is None for b in bounds):
         return None
     group = model.config.num_heads // model.config.num_kv_heads  # query heads per KV head
     tp = getattr(model, "tp", None)
-    return BoundedDecode([bound] * cache.layers[0].pos.shape[0], cache, group, tp.all_reduce if tp else None)
+    return BoundedDecode(bounds, cache, group, tp.all_reduce if tp else None)
 
 
 def decode_tokens(rows: Decoding, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,

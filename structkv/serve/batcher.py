@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.kv_cache import StackedKVCache
-from ..modules.decode_bound import BoundedDecode
-from ..runtime.decoding import Decoding, eos_ids, sample, step_function
+from ..runtime.decoding import Decoding, bounded, eos_ids, sample, step_function
 from ..runtime.generation import Started
 
 
@@ -89,7 +88,6 @@ class Batch:
         cfg = model.config
         self.sliding_windows = [cfg.sliding_window_at(i) for i in range(cfg.num_layers)]
         self.eos = set(eos_ids(model))
-        self.group = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head (a KV bound's query rings)
 
     @property
     def cache(self):
@@ -152,8 +150,5 @@ class Batch:
         # every row's tokens still to feed fit, or its bound (the bound evicts the rest)
         room = max(r.remaining if r.bound is None else min(r.remaining, r.bound.max_tokens + 1) for r in rows) + 1
         cache = StackedKVCache(parts, room=room, sliding_windows=self.sliding_windows)
-        bounds = [r.bound for r in rows]
-        tp = getattr(self.model, "tp", None)
-        bound = BoundedDecode(bounds, cache, self.group, tp.all_reduce if tp else None) \
-            if any(b is not None for b in bounds) else None
+        bound = bounded(self.model, cache, [r.bound for r in rows])
         self.running = Decoding(self.model, cache, None, torch.cat(positions), self.step_fn, bound)  # positions (R, 1)
