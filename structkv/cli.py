@@ -91,9 +91,12 @@ def _generate(args) -> int:
     _writable(cache_root(), "the cache folder", "set STRUCTKV_CACHE to a writable folder")
     if args.archive_dir:
         _writable_folder(args.archive_dir, "--archive-dir")
-    name = args.method or (methods.CONTEXT_DEFAULT if args.question else "full")  # -q: compressed before the questions
-    method = methods.build(name, kv=args.kv_budget, struct=args.struct_budget)
+    name = args.method or (None if args.question else "full")  # -q: the model's context default, once loaded
+    method = methods.build(name or "keydiff", kv=args.kv_budget, struct=args.struct_budget)  # bad budgets fail first
     model = structkv.load(args.model, dtype=args.dtype, tp=args.tp, weights=args.weights, kv_dtype=args.kv_dtype)
+    if name is None:  # compressed before the questions: the default of this kind of model, at its budget
+        name, kv = methods.context_default(model.config)
+        method = methods.build(name, kv=args.kv_budget if args.kv_budget is not None else kv, struct=args.struct_budget)
     if _rank():  # under torchrun every rank generates the same tokens; rank 0 prints them
         sys.stdout = open(os.devnull, "w")
         sys.stderr = open(os.devnull, "w")
@@ -440,7 +443,8 @@ def main(argv=None) -> int:
                         "(with --question: the document is one user turn, compressed; each question another)")
     g.add_argument("--system", default=None, help="with --chat: a system message first")
     g.add_argument("--method", default=None, help="compression method (default: full; with --question, the best "
-                   "query-agnostic one, structkv.methods.CONTEXT_DEFAULT): " + ", ".join(_method_names()))
+                   "query-agnostic one for the model's kind, structkv.methods.context_default): "
+                   + ", ".join(_method_names()))
     _budget_options(g, None, None, "R_KV: entries of the prompt kept per layer, a ratio in (0, 1] (0.1) or a token "
                                    "count (512); the method's default if unset")
     g.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
@@ -549,7 +553,7 @@ def main(argv=None) -> int:
                    "may override): " + ", ".join(_method_names()))
     s.add_argument("--context-method", default=None, help="default method of the cached contexts, compressed before "
                    "the question is known (requests naming a method override it; default: the best query-agnostic "
-                   "one, structkv.methods.CONTEXT_DEFAULT)")
+                   "one for the model's kind, structkv.methods.context_default)")
     _budget_options(s, None, None, "default R_KV of requests that give none, a ratio in (0, 1] (0.1) or a token "
                                    "count (512); the method's default if unset")
     s.add_argument("--host", default="127.0.0.1")

@@ -107,9 +107,10 @@ def test_questions_recall_from_an_archive_file(byte_model, byte_model_dir, capsy
     assert "serve questions" in capsys.readouterr().err
 
 
-def test_questions_without_a_method_get_the_context_default_at_its_own_budget(byte_model_dir, monkeypatch, capsys):
-    """-q without --method compresses with `CONTEXT_DEFAULT` (KeyDiff) at that method's own default
-    budget (10 % of the entries), which --kv-budget still overrides, and keeps an int4 archive the
+def test_questions_without_a_method_get_the_context_default_at_its_own_budget(byte_model, byte_model_dir, monkeypatch,
+                                                                             capsys):
+    """-q without --method compresses with the model kind's `context_default` (KeyDiff on this dense
+    model) at its own budget (10 % of the entries), which --kv-budget still overrides, and keeps an int4 archive the
     questions recall from (`--archive none`: no archive; `full` never archives)."""
     seen = []
     real = structkv.prefill
@@ -121,7 +122,8 @@ def test_questions_without_a_method_get_the_context_default_at_its_own_budget(by
     assert _gen(byte_model_dir, context, "-q", "\nQ: When?\nA:", "--archive", "none") == 0
     assert _gen(byte_model_dir, context, "-q", "\nQ: When?\nA:", "--method", "full") == 0
     capsys.readouterr()
-    default = methods.CONTEXT_DEFAULT
+    default = methods.context_default(byte_model.config)[0]
+    assert default == "keydiff"
     assert [(m.name, m.kv_budget, a) for m, a in seen[:3]] == [
         (default, 0.1, "int4"), (default, 0.2, "int4"), (default, 0.1, None)]
     assert (seen[3][0].name, seen[3][1]) == ("full", None)

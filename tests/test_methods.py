@@ -585,3 +585,24 @@ def test_scoring_and_budget_options_keep_their_invariants(llama, options):
                 _compress(llama, ids, methods.StructKV(kv_budget=0.2, pivot=2, **base)))
     with pytest.raises(ValueError, match="observe must be"):
         methods.SnapKV(observe=4)
+
+
+def test_the_context_default_follows_the_kind_of_model():
+    """A context compressed before its questions gets its kind's default (docs/results/README.md,
+    "Third choice"): models with sliding-window layers the union at 10 %, dense models KeyDiff at
+    10 %; the kind is read from `layer_types`, and each default builds at its budget."""
+    from structkv.models.config import ModelConfig, RopeConfig
+
+    base = dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=112, num_layers=4, num_heads=4,
+                num_kv_heads=2, head_dim=16, max_position_embeddings=256,
+                rope={"full_attention": RopeConfig(1e4), "sliding_attention": RopeConfig(1e4)})
+    dense = ModelConfig(**base, layer_types=("full_attention",) * 4)
+    hybrid = ModelConfig(**base, sliding_window=8,
+                         layer_types=("sliding_attention", "full_attention", "sliding_attention", "full_attention"))
+    assert methods.model_kind(dense) == "dense" and methods.model_kind(hybrid) == "sliding"
+    assert methods.context_default(dense) == ("keydiff", 0.1)
+    assert methods.context_default(hybrid) == ("structkv_agnostic_union", 0.1)
+    for config in (dense, hybrid):
+        name, kv = methods.context_default(config)
+        method = methods.build(name, kv=kv)
+        assert method.kv_budget == kv and methods.context_archive(method) == "int4"

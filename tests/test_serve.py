@@ -127,13 +127,12 @@ def test_history_before_the_last_user_turn_is_cached(client):
 
 
 def test_cached_contexts_get_the_context_method(chat_model):
-    """A context compressed before its question gets --context-method (default: `CONTEXT_DEFAULT`
-    with its int4 archive, so the question recalls), a whole prompt --method; a request naming a
-    method gets that one."""
-    from structkv.methods import CONTEXT_DEFAULT
-
-    assert Settings(model_name=NAME).context_method == CONTEXT_DEFAULT
-    with Background(app_for(chat_model, settings(context_method=None))) as running:
+    """A context compressed before its question gets --context-method (default: the model kind's
+    `context_default` at its own R_KV, with its int4 archive, so the question recalls), a whole
+    prompt --method; a request naming a method gets that one."""
+    default, kv = methods.context_default(chat_model.config)
+    assert Settings(model_name=NAME).context_method is None  # resolved from the model by the engine
+    with Background(app_for(chat_model, settings(context_method=None, kv_budget=None))) as running:
         client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", timeout=60, max_retries=0)
         question = [{"role": "user", "content": QUESTIONS[0]}]
         cached = client.chat.completions.create(model=NAME, messages=question, temperature=0, max_tokens=8,
@@ -142,12 +141,13 @@ def test_cached_contexts_get_the_context_method(chat_model):
                                                temperature=0)
         named = client.chat.completions.create(model=NAME, messages=question, temperature=0, max_tokens=4,
                                                extra_body={"context": DOC + " (named)", "method": "snapkv"})
-    assert cached.model_extra["structkv"]["method"] == CONTEXT_DEFAULT
+    assert cached.model_extra["structkv"]["method"] == default
+    assert cached.model_extra["structkv"]["options"]["kv_budget"] == kv
     assert whole.model_extra["structkv"]["method"] == named.model_extra["structkv"]["method"] == "snapkv"
     from structkv.serve.engine import _split_at_context
 
     prefix, rest = _split_at_context(chat_model.tokenizer, question, DOC)
-    state = structkv.prefill(chat_model, prefix, methods.build(CONTEXT_DEFAULT, kv=0.3), room=64, archive="int4")
+    state = structkv.prefill(chat_model, prefix, methods.build(default, kv=kv), room=64, archive="int4")
     expected = structkv.generate(chat_model, rest, state=state, max_new_tokens=8, temperature=0, compile=False).text
     assert cached.choices[0].message.content == expected
 

@@ -16,12 +16,14 @@ from .keydiff import KeyDiff
 from .kvzip import KVzip
 from .registry import (
                        CONTEXT_ARCHIVE,
-                       CONTEXT_DEFAULT,
+                       CONTEXT_DEFAULTS,
                        METHODS,
                        build,
                        context_archive,
+                       context_default,
                        get,
                        has_struct_budget,
+                       model_kind,
                        names,
                        register,
 )
@@ -29,7 +31,7 @@ from .snapkv import PyramidKV, SnapKV
 from .streaming_llm import StreamingLLM
 from .structkv import StructKV
 
-__all__ = ["Budget", "CONTEXT_ARCHIVE", "CONTEXT_DEFAULT", "Layout", "METHODS", "FastKV", "Full", "GemFilter", "H2O",
+__all__ = ["Budget", "CONTEXT_ARCHIVE", "CONTEXT_DEFAULTS", "Layout", "METHODS", "FastKV", "Full", "GemFilter", "H2O",
            "KVzip", "KeyDiff", "Method", "PyramidKV", "SnapKV", "StreamingLLM", "StructKV", "build", "context_archive",
-           "get", "has_struct_budget", "names", "register"]
+           "context_default", "get", "has_struct_budget", "model_kind", "names", "register"]
 

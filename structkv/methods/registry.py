@@ -88,14 +88,16 @@ register("structkv_agnostic_union", StructKV, signal="union", window=32, kv_budg
 
 
 # What a context compressed before its questions are known gets by default (`structkv generate -q`,
-# `structkv serve`'s context cache): KeyDiff's hot set at its own 10 % with the evicted entries kept
-# in an int4 archive (`CONTEXT_ARCHIVE`), from which every question recalls what it reads (ask-time
-# recall, `structkv.modules.recall`). Chosen by the criterion written before any confirmation run,
-# the worst share of the full cache over three development sets (Gemma and SmolLM2 fact lookup,
-# Gemma LongBench): 0.77, where the union at 20 % without recall, the default before it, had 0.36
-# (docs/results/README.md, "Ask-time recall"). Without its archive KeyDiff's hot set alone loses
-# the facts: a door that turns recall off should name another method (`structkv_agnostic_union`).
-CONTEXT_DEFAULT = "keydiff"
+# `structkv serve`'s context cache), per kind of model: a hot set at 10 % of the KV with the evicted
+# entries kept in an int4 archive (`CONTEXT_ARCHIVE`), from which every question recalls what it
+# reads (ask-time recall, `structkv.modules.recall`). Chosen per kind by the criterion written before
+# the confirmation runs, the worst share of the full cache over that kind's development sets
+# (docs/results/README.md, "Third choice"): models with sliding-window layers (Gemma 3) the union of
+# novelty and window at 10 % (0.85, KeyDiff 0.77); dense models KeyDiff at 10 % (1.07: past
+# StructKV's pivot a dense model's layers hold only the skeleton, which recall cannot undo).
+# Without its archive KeyDiff's hot set alone loses the facts: a door that turns recall off should
+# name another method (`structkv_agnostic_union`).
+CONTEXT_DEFAULTS = {"sliding": ("structkv_agnostic_union", 0.1), "dense": ("keydiff", 0.1)}
 CONTEXT_ARCHIVE = "int4"
 
 
@@ -106,6 +108,17 @@ def context_archive(method: Method, archive: str | None = None) -> str | None:
     if archive is not None:
         return None if archive == "none" else archive
     return None if method.name == "full" or method.restarts else CONTEXT_ARCHIVE
+
+
+def model_kind(config) -> str:
+    """"sliding" for a model with sliding-window layers (Gemma 3's local/global, Mistral), else "dense"."""
+    return "sliding" if "sliding_attention" in tuple(config.layer_types) else "dense"
+
+
+def context_default(config) -> tuple[str, float]:
+    """(method name, R_KV) a context compressed before its questions gets on a model of this config
+    when no method is named (`CONTEXT_DEFAULTS`, by `model_kind`)."""
+    return CONTEXT_DEFAULTS[model_kind(config)]
 
 
 # Names the structural budget had before it was `struct_budget` everywhere.

@@ -60,32 +60,38 @@ class RecallLayer:
 
     def _attend(self, q, k, v, positions, apos, scale):
         """Softmax attention of the question over hot + archive + its own causal keys, and the
-        probabilities (B, Hkv, G, S, C) on the hot slots and (B, Hkv, G, S, A) on the archive."""
+        probabilities (B, Hkv, G, S, C) on the hot slots and (B, Hkv, G, S, A) on the archive.
+        A KV head's G query heads are folded into the rows of one product per (row, KV head), so no
+        key or value tile is broadcast (copied) over G."""
         B, Hq, S, D = q.shape
         Hkv, A = k.shape[1], self.archive.size
-        qg = q.float().reshape(B, Hkv, Hq // Hkv, S, D)  # (B, Hkv, G, S, D)
+        G = Hq // Hkv
+        qg = (q.float() * scale).reshape(B, Hkv, G * S, D)  # (B, Hkv, G*S, D): head-major rows
         hk, hv = self.answer.read(torch.float32)
         new_pos = positions[:, None].expand(-1, Hkv, -1)  # (B, Hkv, S)
         keys, vals = torch.cat([hk, k.float()], 2), torch.cat([hv, v.float()], 2)  # (B, Hkv, C + S, D)
         kpos = torch.cat([self.answer.pos, new_pos], 2)
         seen = (kpos[:, :, None] >= 0) & (kpos[:, :, None] <= positions[:, None, :, None])  # (B, Hkv, S, C + S)
-        near = (qg @ keys[:, :, None].transpose(-1, -2) * scale).masked_fill(~seen[:, :, None], float("-inf"))
-        absent = (apos < 0)[:, :, None, None]  # (B, Hkv, 1, 1, A)
-        far = torch.empty(B, Hkv, Hq // Hkv, S, A, device=q.device)
+        near = qg @ keys.transpose(-1, -2)  # (B, Hkv, G*S, C + S)
+        near.view(B, Hkv, G, S, -1).masked_fill_(~seen[:, :, None], float("-inf"))
+        far = torch.empty(B, Hkv, G * S, A, device=q.device)
         for s in range(0, A, self.tile):  # pass 1: keys, tile by tile
             ka = self._tile(s, "k")  # (B, Hkv, t, D)
-            far[..., s:s + ka.shape[2]] = qg @ ka[:, :, None].transpose(-1, -2) * scale
-        far.masked_fill_(absent, float("-inf"))
-        top = near.amax(-1) if A == 0 else torch.maximum(near.amax(-1), far.amax(-1))  # (B, Hkv, G, S)
-        near, far = (near - top[..., None]).exp(), (far - top[..., None]).exp()
-        total = near.sum(-1) + far.sum(-1)
-        near, far = near / total[..., None], far / total[..., None]
-        out = near @ vals[:, :, None]  # (B, Hkv, G, S, D)
-        for s in range(0, A, self.tile):  # pass 2: values, tile by tile
-            va = self._tile(s, "v")
-            out = out + far[..., s:s + va.shape[2]] @ va[:, :, None]
+            far[..., s:s + ka.shape[2]] = qg @ ka.transpose(-1, -2)
+        far.masked_fill_((apos < 0)[:, :, None], float("-inf"))
+        top = near.amax(-1) if A == 0 else torch.maximum(near.amax(-1), far.amax(-1))  # (B, Hkv, G*S)
+        near = near.sub_(top[..., None]).exp_()
+        far = far.sub_(top[..., None]).exp_()
+        total = (near.sum(-1) + far.sum(-1))[..., None]
+        near, far = near.div_(total), far.div_(total)
+        out = (near @ vals).view(B * Hkv, G * S, D)  # (B*Hkv, G*S, D)
+        for s in range(0, A, self.tile):  # pass 2: values, tile by tile, accumulated in place
+            va = self._tile(s, "v")  # (B, Hkv, t, D)
+            t = va.shape[2]
+            out.baddbmm_(far[..., s:s + t].reshape(B * Hkv, G * S, t), va.reshape(B * Hkv, t, D))
         C = self.answer.pos.shape[2]
-        return out.reshape(B, Hq, S, D).to(q.dtype), near[..., :C], far
+        return (out.reshape(B, Hq, S, D).to(q.dtype), near.view(B, Hkv, G, S, -1)[..., :C],
+                far.view(B, Hkv, G, S, A))
 
     def _tile(self, s: int, side: str) -> torch.Tensor:
         e = min(s + self.tile, self.archive.size)

@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..methods import CONTEXT_DEFAULT, Budget, build, context_archive, has_struct_budget, names
+from ..methods import Budget, build, context_archive, context_default, has_struct_budget, names
 from ..models.archive import ArchiveError, check_kind
 from ..modules.decode_bound import DecodeBound
 from ..runtime.compress import prefill
@@ -51,7 +51,8 @@ class Settings:
 
     model_name: str
     method: str = "structkv"  # whole prompts (the question is in what is compressed)
-    context_method: str | None = None  # cached contexts (compressed before the question); None: CONTEXT_DEFAULT
+    context_method: str | None = None  # cached contexts (compressed before the question); None: the
+    # model's `methods.context_default` at its own R_KV (where no --kv-budget is given)
     kv_budget: float | int | str | None = None  # a `Budget` (ratio or token count), parsed once here
     struct_budget: float | int | str | None = None
     cache_bytes: int = 1 << 30
@@ -80,14 +81,13 @@ class Settings:
         for name in ("kv_budget", "struct_budget"):
             if getattr(self, name) is not None:
                 setattr(self, name, Budget.parse(getattr(self, name), name).value)
-        self.context_method = self.context_method or CONTEXT_DEFAULT
         if self.archive != "none":
             check_kind(self.archive)
         elif self.recall is not None or self.archive_dir is not None:
             raise ValueError("--recall and --archive-dir need an archive: drop them, or name --archive int4")
         if self.recall is not None:
             self.recall = Budget.parse(self.recall, "recall").value
-        for name in (self.method, self.context_method):
+        for name in (self.method, self.context_method or "keydiff"):
             build(name, kv=self.kv_budget, struct=self.struct_budget)  # a bad default fails at start-up
         if self.max_kv_tokens is not None:
             DecodeBound(self.max_kv_tokens, self.decode_evict)  # a bad bound fails at start-up
@@ -123,6 +123,10 @@ class Engine:
         if model.tokenizer is None:
             raise ValueError("structkv serve needs a model with a tokenizer")
         self.model, self.settings = model, settings
+        # the context default of this kind of model, and its own R_KV where the server sets none
+        self.context_method, self.context_kv = settings.context_method, None
+        if self.context_method is None:
+            self.context_method, self.context_kv = context_default(model.config)
         self.metrics = metrics or Metrics()
         self.cache = ContextCache(settings.cache_bytes)
         try:  # a bad default fails at start-up, not at the first request
@@ -143,7 +147,7 @@ class Engine:
     def method_for(self, req: Request, context: bool = False):
         """The request's method with its budgets (the server's defaults where it gives none: the
         context method for a context compressed before its question, `context`)."""
-        name = req.method or (self.settings.context_method if context else self.settings.method)
+        name = req.method or (self.context_method if context else self.settings.method)
         if name not in names():
             raise bad("method", f"unknown method {name[:100]!r}; this server has: {', '.join(names())}",
                       code="unknown_method")
@@ -151,6 +155,8 @@ class Engine:
             raise bad("struct_budget", f"method {name} has no structural budget (R_struct: the structkv and fastkv "
                       "methods); leave struct_budget out or choose one of those", code="unsupported_parameter")
         kv = req.kv_budget if req.kv_budget is not None else self.settings.kv_budget
+        if kv is None and context and req.method is None:
+            kv = self.context_kv  # the context default at its own budget
         struct = req.struct_budget if req.struct_budget is not None else self.settings.struct_budget
         try:
             method = build(name, kv=kv, struct=struct)
