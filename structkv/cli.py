@@ -143,7 +143,7 @@ def _decode_bound(args):
         if args.decode_evict is not None:
             raise ValueError("--decode-evict chooses what a bound evicts: give --max-kv-tokens N with it")
         return None
-    return DecodeBound(args.max_kv_tokens, args.decode_evict or "recent")
+    return DecodeBound(args.max_kv_tokens, args.decode_evict or DecodeBound.rule)
 
 
 def _rank() -> int:
@@ -379,7 +379,7 @@ def _serve(args) -> int:
                         compile={"auto": "auto", "always": True, "never": False}[args.compile],
                         max_prompt_tokens=args.max_prompt_tokens, archive=args.archive, recall=args.recall,
                         archive_dir=args.archive_dir, max_kv_tokens=args.max_kv_tokens,
-                        decode_evict=args.decode_evict or "recent")
+                        decode_evict=args.decode_evict or Settings.decode_evict)
     model = structkv.load(args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype)
     app = app_for(model, settings, max_request_bytes=args.max_request_bytes, api_key=api_key, allowed_hosts=hosts,
                 allowed_origins=args.allow_origin or (), body_timeout_s=args.body_timeout)
@@ -433,9 +433,10 @@ def main(argv=None) -> int:
                         "to a lower mark (sinks and the latest entries stay; docs/methods.md, 'A KV bound while "
                         "generating')")
     g.add_argument("--decode-evict", choices=DECODE_RULES, default=None,
-                   help="with --max-kv-tokens: what goes first (default recent: all but the sinks and the "
-                        "latest; window: the least attended by the latest generated tokens; redundancy; "
-                        "centrality: StructKV's prefill centrality carried on by the decode queries)")
+                   help="with --max-kv-tokens: what goes first (default centrality: the least central by "
+                        "StructKV's prefill centrality carried on by the decode queries; window: the least "
+                        "attended by the latest generated tokens; redundancy; recent: all but the sinks and "
+                        "the latest)")
     g.add_argument("--model", default="gemma-3-270m",
                    help="alias (gemma-3-270m, smollm2), HF folder, .gguf file or Hub id")
     g.add_argument("--chat", action="store_true",
@@ -572,7 +573,7 @@ def main(argv=None) -> int:
                    help="bound every request's KV entries per layer while generating (a request's own "
                         "\"max_kv_tokens\" replaces it); default: unbounded")
     s.add_argument("--decode-evict", choices=DECODE_RULES, default=None,
-                   help="what a KV bound evicts first (default recent)")
+                   help="what a KV bound evicts first (default centrality)")
     s.add_argument("--max-queue", type=_positive_int, default=16, help="requests waiting before 503 + Retry-After")
     s.add_argument("--max-batch", type=_positive_int, default=8,
                    help="requests decoding together, one step for all (continuous batching); 1: one at a time")

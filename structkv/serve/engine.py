@@ -75,7 +75,7 @@ class Settings:
     # A KV bound while generating (`structkv.modules.decode_bound`): every request's default, which a
     # request's own "max_kv_tokens" replaces; `decode_evict`: the rule both use
     max_kv_tokens: int | None = None
-    decode_evict: str = "recent"
+    decode_evict: str = DecodeBound.rule
 
     def __post_init__(self):
         for name in ("kv_budget", "struct_budget"):
