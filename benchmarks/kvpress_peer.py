@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -80,6 +83,40 @@ class _Text:
         return self.tokenizer.decode([int(i) for i in ids if not (skip_special_tokens and int(i) in eos)])
 
 
+class PeakRSS:
+    """The most resident memory the process added while inside the block, above its level on
+    entry, sampled every `every` seconds by a thread. Why this and not ru_maxrss: the process's
+    all-time peak is the GGUF load's, not an answer's; measured this way each answer's figure is
+    what its prefill, cache and decode added on top of the loaded model (a spike shorter than
+    `every` can be missed)."""
+
+    PAGE = os.sysconf("SC_PAGE_SIZE")
+
+    def __init__(self, every: float = 0.002):
+        self.every, self.peak = every, 0
+
+    @classmethod
+    def rss(cls) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * cls.PAGE
+
+    def __enter__(self):
+        self.base, self._stop = self.rss(), threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss() - self.base)
+            time.sleep(self.every)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss() - self.base)
+
+
 @torch.inference_mode()
 def answer(model, text: _Text, press, context: list[int], question: list[int], max_new_tokens: int):
     """kvpress's compress-once answer to one question (its pipeline's prefill under the press, then
@@ -90,13 +127,15 @@ def answer(model, text: _Text, press, context: list[int], question: list[int], m
     from transformers import DynamicCache
 
     cache = DynamicCache()
+    t0 = time.perf_counter()
     with press(model):
         model.model(input_ids=torch.tensor([context]), past_key_values=cache)
+    prefill_s = time.perf_counter() - t0
     kept = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in cache.layers)
     pipe = SimpleNamespace(model=model, tokenizer=text)  # what generate_answer reads of its pipeline
     out = KVPressTextGenerationPipeline.generate_answer(pipe, question_ids=torch.tensor([question]), cache=cache,
                                                         context_length=len(context), max_new_tokens=max_new_tokens)
-    return out, kept
+    return out, kept, prefill_s
 
 
 def run_peer(source: Path, out: Path | None, samples: int | None, prefix: str, runs: list[tuple[str, float]],
@@ -104,7 +143,8 @@ def run_peer(source: Path, out: Path | None, samples: int | None, prefix: str, r
     """Answer every prompt of the structkv eval folder `source` (made with
     --question-after-compression) once per (name, R_KV) of `runs`, into `out`/predictions.jsonl
     (default SOURCE_<prefix>) with labels `<prefix>:<name>@<R_KV>`, so the folders pair prompt by
-    prompt; resumes. `setup(ours, cfg)` returns `answer(name, budget, sample, cap) -> (prediction,
+    prompt; resumes. Each record has the answer's peak resident memory above the loaded model
+    (`PeakRSS`). `setup(ours, cfg)` returns `answer(name, budget, sample, cap) -> (prediction,
     extra record fields)`, `ours` being structkv's model of the folder."""
     import structkv
     from structkv.harness.eval.runner import EvalConfig, _read_predictions, build_samples, sample_key, score
@@ -129,11 +169,13 @@ def run_peer(source: Path, out: Path | None, samples: int | None, prefix: str, r
                     continue
                 cap = sample["max_new_tokens"] if cfg.max_new_tokens is None else min(cfg.max_new_tokens,
                                                                                      sample["max_new_tokens"])
-                said, extra = answer(name, budget, sample, cap)
+                with PeakRSS() as memory:
+                    said, extra = answer(name, budget, sample, cap)
                 record = {"key": key, "label": label, "method": f"{prefix}:{name}", "kv_budget": budget,
                           "task": sample["task"], "index": sample["index"], "length_budget": sample["length_budget"],
                           "prompt_tokens": len(sample["input_ids"]) + len(sample["question_ids"]), "prediction": said,
-                          "outputs": sample["outputs"], "score": score(sample, said), **extra}
+                          "outputs": sample["outputs"], "score": score(sample, said),
+                          "peak_rss_mib": memory.peak / 2**20, **extra}
                 sink.write(json.dumps(record) + "\n")
                 sink.flush()
                 print(f"{label} {sample['task']} #{sample['index']}: {record['score']:.0f}", file=sys.stderr)
@@ -156,9 +198,9 @@ def main(argv=None) -> int:
         text = _Text(ours.tokenizer)
 
         def one(name, budget, sample, cap):
-            said, kept = answer(model, text, make_press(name, budget), sample["input_ids"], sample["question_ids"],
-                                cap)
-            return said, {"kv_bytes_kept": kept}
+            said, kept, prefill_s = answer(model, text, make_press(name, budget), sample["input_ids"],
+                                           sample["question_ids"], cap)
+            return said, {"kv_bytes_kept": kept, "prefill_s": prefill_s}
         return one
 
     runs = [(p, float(b)) for p in args.presses.split(",") for b in args.kv_budget.split(",")]

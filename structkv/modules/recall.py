@@ -60,38 +60,38 @@ class RecallLayer:
 
     def _attend(self, q, k, v, positions, apos, scale):
         """Softmax attention of the question over hot + archive + its own causal keys, and the
-        probabilities (B, Hkv, G, S, C) on the hot slots and (B, Hkv, G, S, A) on the archive.
-        A KV head's G query heads are folded into the rows of one product per (row, KV head), so no
-        key or value tile is broadcast (copied) over G."""
+        probabilities (B, Hkv, G*S, C) on the hot slots and (B, Hkv, G*S, A) on the archive (rows
+        head-major: g * S + s). A KV head's G query heads are folded into the rows of one product
+        per (row, KV head), so no key or value tile is broadcast (copied) over G, and one softmax
+        runs over a row's every column (hot, question, archive) at once."""
         B, Hq, S, D = q.shape
         Hkv, A = k.shape[1], self.archive.size
         G = Hq // Hkv
-        qg = (q.float() * scale).reshape(B, Hkv, G * S, D)  # (B, Hkv, G*S, D): head-major rows
+        qg = (q.float() * scale).reshape(B, Hkv, G * S, D)  # (B, Hkv, G*S, D)
         hk, hv = self.answer.read(torch.float32)
         new_pos = positions[:, None].expand(-1, Hkv, -1)  # (B, Hkv, S)
-        keys, vals = torch.cat([hk, k.float()], 2), torch.cat([hv, v.float()], 2)  # (B, Hkv, C + S, D)
+        keys, vals = torch.cat([hk, k.float()], 2), torch.cat([hv, v.float()], 2)  # (B, Hkv, N = C + S, D)
+        N = keys.shape[2]
         kpos = torch.cat([self.answer.pos, new_pos], 2)
-        seen = (kpos[:, :, None] >= 0) & (kpos[:, :, None] <= positions[:, None, :, None])  # (B, Hkv, S, C + S)
-        near = qg @ keys.transpose(-1, -2)  # (B, Hkv, G*S, C + S)
-        near.view(B, Hkv, G, S, -1).masked_fill_(~seen[:, :, None], float("-inf"))
-        far = torch.empty(B, Hkv, G * S, A, device=q.device)
+        seen = (kpos[:, :, None] >= 0) & (kpos[:, :, None] <= positions[:, None, :, None])  # (B, Hkv, S, N)
+        logits = torch.empty(B, Hkv, G * S, N + A, device=q.device)  # near columns, then the archive's
+        torch.matmul(qg, keys.transpose(-1, -2), out=logits[..., :N])
+        logits[..., :N].view(B, Hkv, G, S, N).masked_fill_(~seen[:, :, None], float("-inf"))
         for s in range(0, A, self.tile):  # pass 1: keys, tile by tile
             ka = self._tile(s, "k")  # (B, Hkv, t, D)
-            far[..., s:s + ka.shape[2]] = qg @ ka.transpose(-1, -2)
-        far.masked_fill_((apos < 0)[:, :, None], float("-inf"))
-        top = near.amax(-1) if A == 0 else torch.maximum(near.amax(-1), far.amax(-1))  # (B, Hkv, G*S)
-        near = near.sub_(top[..., None]).exp_()
-        far = far.sub_(top[..., None]).exp_()
-        total = (near.sum(-1) + far.sum(-1))[..., None]
-        near, far = near.div_(total), far.div_(total)
-        out = (near @ vals).view(B * Hkv, G * S, D)  # (B*Hkv, G*S, D)
+            logits[..., N + s:N + s + ka.shape[2]] = qg @ ka.transpose(-1, -2)
+        absent = apos < 0  # (B, Hkv, A): a shorter row's padding
+        if bool(absent.any()):
+            logits[..., N:].masked_fill_(absent[:, :, None], float("-inf"))
+        probs = logits.softmax(-1)  # (B, Hkv, G*S, N + A)
+        rows = probs.view(B * Hkv, G * S, N + A)
+        out = torch.bmm(rows[..., :N], vals.reshape(B * Hkv, N, D))  # (B*Hkv, G*S, D)
         for s in range(0, A, self.tile):  # pass 2: values, tile by tile, accumulated in place
             va = self._tile(s, "v")  # (B, Hkv, t, D)
             t = va.shape[2]
-            out.baddbmm_(far[..., s:s + t].reshape(B * Hkv, G * S, t), va.reshape(B * Hkv, t, D))
+            out.baddbmm_(rows[..., N + s:N + s + t], va.reshape(B * Hkv, t, D))
         C = self.answer.pos.shape[2]
-        return (out.reshape(B, Hq, S, D).to(q.dtype), near.view(B, Hkv, G, S, -1)[..., :C],
-                far.view(B, Hkv, G, S, A))
+        return out.reshape(B, Hq, S, D).to(q.dtype), probs[..., :C], probs[..., N:]
 
     def _tile(self, s: int, side: str) -> torch.Tensor:
         e = min(s + self.tile, self.archive.size)
@@ -107,9 +107,10 @@ class RecallLayer:
         P = int(start.max())
         scores = torch.zeros(B, Hkv, P + 1, device=hpos.device)
         present = torch.zeros(B, P + 1, dtype=torch.bool, device=hpos.device)
+        S = positions.shape[1]
         for p, pos in ((hot_p, hpos), (arch_p, apos)):  # sum over G, mean over S: SnapKV's saliency
             where = torch.where((pos >= 0) & (pos < start), pos, torch.full_like(pos, P))  # P: discarded
-            scores.scatter_add_(2, where, p.sum(2).mean(2))
+            scores.scatter_add_(2, where, p.sum(2) / S)  # p (B, Hkv, G*S, ·): every row of the KV head
             present.scatter_(1, where[:, 0], True)  # every head holds the same columns, hot and archived
         present = present[:, :P]
         chosen = select_tokens(pool_scores(scores[..., :P], self.kernel, POOLING), present, self.keep, 0,
