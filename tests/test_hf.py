@@ -11,7 +11,8 @@ from structkv import methods
 pytest.importorskip("transformers")
 hf = pytest.importorskip("structkv.hf")
 
-METHODS = ["snapkv", "pyramidkv", "keydiff", "streaming_llm", "h2o", "full",
+METHODS = ["snapkv", "pyramidkv", "keydiff", "expected_attention", "streaming_llm", "h2o", "full",
+           "structkv_agnostic_union",
            "structkv", "structkv_paper", "fastkv", "gemfilter"]  # the last four prune tokens between layers
 
 

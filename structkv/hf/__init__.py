@@ -36,7 +36,7 @@ from ..methods.base import Layout
 from ..modules.view import LayerView
 from ..util.timing import clock
 from .attention import attach
-from .pruned import run_pruned
+from .pruned import _decoder, run_pruned
 
 __all__ = ["HFState", "compress", "generate"]
 
@@ -140,6 +140,13 @@ def compress(model, tokenizer, context, method="snapkv", **options) -> HFState:
                    method.name, stats)
 
 
+def _inv_freq(model) -> torch.Tensor | None:
+    """The RoPE frequencies (D/2,) of the model's rotary embedding, scaling included (Expected
+    Attention turns its query statistics by them); None where the model keeps none."""
+    freq = getattr(getattr(_decoder(model), "rotary_emb", None), "inv_freq", None)
+    return None if freq is None else freq.float()
+
+
 def _post_prefill(model, capture, tokens, method: Method, retention, kept: _Kept) -> HFState:
     """The model's own forward once, then every layer's kept subset of its entries."""
     t0, (_, S) = clock(), tokens.shape
@@ -149,9 +156,10 @@ def _post_prefill(model, capture, tokens, method: Method, retention, kept: _Kept
     finally:
         capture.on = False
     positions = torch.arange(S, device=model.device)[None]  # (1, S)
+    inv_freq = _inv_freq(model)
     for i in range(len(kept.layers)):
         q, k, v, scale = capture.layers[i]
-        retention.layer(LayerView(i, q, k, v, positions, positions, scale, lengths=[S]))
+        retention.layer(LayerView(i, q, k, v, positions, positions, scale, lengths=[S], inv_freq=inv_freq))
         retention.after_propagation(None)
     retention.finish(None, tokens, {})
     capture.layers = {}
