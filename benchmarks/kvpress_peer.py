@@ -67,8 +67,33 @@ def hf_model(gguf: Path, eos_ids):
     # holding the GGUF's tokenizer as transformers reads it
     folder = Path(tempfile.mkdtemp(prefix="kvpress-tokenizer-"))
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    _plain_fast_tokenizer(folder)
     model.config.name_or_path = str(folder)
+    _same_ids(AutoTokenizer.from_pretrained(folder), gguf)
     return model
+
+
+def _plain_fast_tokenizer(folder: Path) -> None:
+    """transformers' GGUF reader labels a llama-architecture GGUF's tokenizer `CodeLlamaTokenizer`
+    even for a byte-level BPE vocabulary (SmolLM2's); reloaded under that class from the saved
+    folder it turns newlines and spaces into token 0 (`<|endoftext|>`), so KVzipPress's repeat
+    prompt and chat markup came out corrupted (docs/results/README.md, "kvzip against kvpress").
+    The saved tokenizer.json is the GGUF's own: load it as the plain fast tokenizer it is."""
+    config = folder / "tokenizer_config.json"
+    d = json.loads(config.read_text())
+    d["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.write_text(json.dumps(d, indent=2))
+
+
+def _same_ids(tokenizer, gguf: Path) -> None:
+    """Refuse a peer tokenizer that does not give structkv's ids for chat markup and prose."""
+    import structkv
+
+    ours = structkv.load(str(gguf)).tokenizer
+    for text in ("<|im_end|>\n<|im_start|>assistant\n", "\n\nRepeat the previous context exactly.", " A b\n c"):
+        if tokenizer.encode(text, add_special_tokens=False) != ours.encode(text, add_bos=False):
+            raise SystemExit(f"the peer's tokenizer ({type(tokenizer).__name__}) encodes {text!r} unlike structkv's: "
+                             "its prompts would not be the same tokens")
 
 
 class _Text:
