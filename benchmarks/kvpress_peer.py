@@ -21,6 +21,7 @@ Attention fails on Gemma 3's rotary embedding (docs/results/README.md).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -108,6 +109,9 @@ class _Text:
         return self.tokenizer.decode([int(i) for i in ids if not (skip_special_tokens and int(i) in eos)])
 
 
+_LIBC = ctypes.CDLL("libc.so.6")
+
+
 class PeakRSS:
     """The most resident memory the process added while inside the block, above its level on
     entry, sampled every `every` seconds by a thread. Why this and not ru_maxrss: the process's
@@ -126,6 +130,7 @@ class PeakRSS:
             return int(f.read().split()[1]) * cls.PAGE
 
     def __enter__(self):
+        _LIBC.malloc_trim(0)  # hand freed heap pages back first, or an earlier answer's hide this one's peak
         self.base, self._stop = self.rss(), threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
