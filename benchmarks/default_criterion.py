@@ -1,7 +1,7 @@
 """The compress-once default, chosen by the criterion written before any confirmation run
 (docs/results/README.md, "Ask-time recall"): a candidate's score is its *worst* share of the full
 cache over the development folders; the highest wins; within `--tie` of share the smaller hot set
-wins, then the one without recall (cheaper per question).
+wins, then the smaller recall budget, none first (cheaper per question).
 
 Each folder is read over the prompts every candidate and the full cache have (a folder's full
 cache is its own reference), so a partial folder still compares like with like.
@@ -21,9 +21,10 @@ METHODS = "structkv_agnostic,structkv_agnostic_union,structkv_agnostic_recent,ke
 LABEL = re.compile(r"^(?P<method>[^@]+)@(?P<kv>[0-9.]+)(\+recall(?P<recall>[0-9.]+))?$")
 
 
-def candidates(methods: list[str], budgets: list[str], recall: str) -> list[str]:
-    """Every method at every hot budget, without and with recall."""
-    return [f"{m}@{b}{extra}" for m in methods for b in budgets for extra in ("", f"+recall{recall}")]
+def candidates(methods: list[str], budgets: list[str], recalls: list[str], bare: bool = True) -> list[str]:
+    """Every method at every hot budget, without recall (`bare`) and with each recall budget."""
+    extras = ([""] if bare else []) + [f"+recall{r}" for r in recalls]
+    return [f"{m}@{b}{extra}" for m in methods for b in budgets for extra in extras]
 
 
 def shares(folder: Path, labels: list[str]) -> dict[str, float]:
@@ -39,13 +40,14 @@ def shares(folder: Path, labels: list[str]) -> dict[str, float]:
 
 
 def rank(worst: dict[str, float], tie: float) -> list[str]:
-    """Labels best first: worst share, then within `tie` the smaller hot set, then no recall."""
+    """Labels best first: worst share, then within `tie` the smaller hot set, then the smaller
+    recall budget (none first)."""
     best = max(worst.values())
     near = [k for k in worst if worst[k] >= best - tie]
 
     def cost(label: str) -> tuple:
         m = LABEL.match(label)
-        return float(m["kv"]), m["recall"] is not None, -worst[label]
+        return float(m["kv"]), float(m["recall"] or 0), -worst[label]
     return sorted(near, key=cost) + sorted((k for k in worst if k not in near), key=lambda k: -worst[k])
 
 
@@ -54,10 +56,11 @@ def main() -> None:
     ap.add_argument("folders", nargs="+", type=Path)
     ap.add_argument("--methods", default=METHODS)
     ap.add_argument("--kv-budget", default="0.1,0.2")
-    ap.add_argument("--recall", default="0.1")
+    ap.add_argument("--recall", default="0.1", help="recall budgets, comma-separated")
+    ap.add_argument("--no-bare", action="store_true", help="leave out the candidates without recall")
     ap.add_argument("--tie", type=float, default=0.03, help="share within which cost decides")
     a = ap.parse_args()
-    labels = candidates(a.methods.split(","), a.kv_budget.split(","), a.recall)
+    labels = candidates(a.methods.split(","), a.kv_budget.split(","), a.recall.split(","), not a.no_bare)
     per = {f: shares(f, labels) for f in a.folders}
     worst = {k: min(per[f][k] for f in a.folders) for k in labels}
     order = rank(worst, a.tie)
