@@ -150,19 +150,18 @@ def _inv_freq(model) -> torch.Tensor | None:
 def _post_prefill(model, capture, tokens, method: Method, retention, kept: _Kept) -> HFState:
     """The model's own forward once, then every layer's kept subset of its entries."""
     t0, (_, S) = clock(), tokens.shape
-    capture.on, capture.layers = True, {}
+    positions = torch.arange(S, device=model.device)[None]  # (1, S)
+    inv_freq = _inv_freq(model)
+
+    def score(i, q, k, v, scale):  # each layer as its attention runs: its queries go at once
+        retention.layer(LayerView(i, q, k, v, positions, positions, scale, lengths=[S], inv_freq=inv_freq))
+        retention.after_propagation(None)
+    capture.on, capture.layers, capture.sink = True, {}, score
     try:
         out = model(input_ids=tokens, use_cache=True, logits_to_keep=1)  # the last logits only, as the pruned loop
     finally:
-        capture.on = False
-    positions = torch.arange(S, device=model.device)[None]  # (1, S)
-    inv_freq = _inv_freq(model)
-    for i in range(len(kept.layers)):
-        q, k, v, scale = capture.layers[i]
-        retention.layer(LayerView(i, q, k, v, positions, positions, scale, lengths=[S], inv_freq=inv_freq))
-        retention.after_propagation(None)
+        capture.on, capture.sink = False, None
     retention.finish(None, tokens, {})
-    capture.layers = {}
     cache = _out_cache(out)
     for layer, (k, v, _) in zip(cache.layers, kept.layers):
         layer.keys, layer.values = k.contiguous(), v.contiguous()

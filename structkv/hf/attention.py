@@ -16,10 +16,14 @@ NAME = "structkv"
 
 @dataclass
 class Capture:
-    """Per layer index: (q (B, Hq, S, D), k, v (B, Hkv, S, D), scale) of the last prefill call."""
+    """Per layer index: (q (B, Hq, S, D), k, v (B, Hkv, S, D), scale) of the last prefill call.
+    `sink`, when set, takes (layer, q, k, v, scale) at once instead: a post-prefill method scores
+    each layer while the forward runs, so no layer's queries outlive its attention (kvpress's
+    hooks do the same)."""
 
     layers: dict = field(default_factory=dict)
     on: bool = False
+    sink: object = None
 
 
 def register():
@@ -34,7 +38,11 @@ def register():
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
         capture = getattr(module, "_structkv_capture", None)
         if capture is not None and capture.on:
-            capture.layers[module.layer_idx] = (query, key, value, scaling if scaling is not None else module.scaling)
+            entry = (query, key, value, scaling if scaling is not None else module.scaling)
+            if capture.sink is not None:
+                capture.sink(module.layer_idx, *entry)
+            else:
+                capture.layers[module.layer_idx] = entry
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
     AttentionInterface.register(NAME, attention)
