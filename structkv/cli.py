@@ -425,7 +425,7 @@ def main(argv=None) -> int:
                         "'none' turns recall off")
     g.add_argument("--recall", default=None,
                    help="entries each archived layer recalls per question, a ratio of the prompt "
-                        "or a count (default 0.1)")
+                        "or a count (default 0.2)")
     g.add_argument("--archive-dir", default=None,
                    help="write the archive to a file in this folder (memory-mapped) instead of RAM")
     g.add_argument("--max-kv-tokens", type=_positive_int, default=None,
@@ -565,7 +565,7 @@ def main(argv=None) -> int:
                    help="how cached contexts keep the entries their method evicts, so each question recalls the "
                         "ones it needs (ask-time recall); default int4 for a method that evicts, 'none': off")
     s.add_argument("--recall", default=None, help="entries recalled per archived layer per question, "
-                                                  "a ratio of the context or a count (default 0.1)")
+                                                  "a ratio of the context or a count (default 0.2)")
     s.add_argument("--archive-dir", default=None,
                    help="each cached context in a file here (hot set + archive; the archive is read "
                         "from disk and does not count towards --cache-bytes); found again after a restart")

@@ -82,7 +82,8 @@ def test_questions_answer_from_one_compressed_state(byte_model, byte_model_dir, 
     assert _gen(byte_model_dir, *argv) == 0
     out, err = capsys.readouterr()
     assert len(calls) == 1  # compressed once
-    state = real(byte_model, context, methods.get("snapkv", kv_budget=0.3), room=64)
+    state = real(byte_model, context, methods.get("snapkv", kv_budget=0.3), room=64,
+                 archive=methods.CONTEXT_ARCHIVE)  # the CLI's default: recall from an int4 archive
     answers = [structkv.generate(byte_model, q, state=state, max_new_tokens=12, compile=False).text for q in questions]
     for q, a in zip(questions, answers):
         assert f"Q: {q.strip()}\nA:{a}\n" in out

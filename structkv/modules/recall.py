@@ -28,7 +28,11 @@ import torch
 from .budget import Budget
 from .selection import pool_scores, select_tokens
 
-DEFAULT_RECALL = 0.1  # entries recalled per archived layer: a ratio of the context, as R_KV
+# Entries recalled per archived layer per question, a ratio of the context as R_KV. 0.2: the
+# smallest budget within 0.03 of the best worst share of the full cache over both kinds' development
+# folders (0.1 / 0.2 / 0.3; docs/results/README.md, "Fourth choice"); the archive holds every evicted
+# entry whatever the budget, so a larger one costs time per question, not resident memory.
+DEFAULT_RECALL = 0.2
 TILE = 1024  # archived entries dequantized at a time
 # The question's attention max-pooled over 31 neighbouring positions, so a pick brings its sentence
 # along (a fact's value sits a few tokens after the words a question matches): chosen on a
