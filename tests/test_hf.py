@@ -54,6 +54,29 @@ def test_same_entries_and_tokens_as_structkvs_decoder(pair, name):
     assert again == after  # the state is not modified by a question
 
 
+def test_each_layer_is_cut_to_its_kept_entries_as_the_prefill_runs(pair):
+    """A post-prefill method scores a layer inside its attention call and cuts that layer's cache
+    right after it: when layer i runs, layer i - 1 already holds only its kept entries (the whole
+    prompt's K/V of every layer never sit in memory together, as with kvpress's hooks)."""
+    model, _ = pair
+    ids, seen = _ids(80), {}
+    hf.compress(model, None, ids[:8], "snapkv")  # attached (its hooks first)
+
+    def before(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if module.layer_idx > 0:
+            seen[module.layer_idx] = cache.layers[module.layer_idx - 1].keys.shape[-2]
+    attn = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
+    handles = [m.register_forward_pre_hook(before, with_kwargs=True) for m in attn]
+    try:
+        state = hf.compress(model, None, ids, _method("snapkv"))
+    finally:
+        for h in handles:
+            h.remove()
+    kept = state.cache.layers[0].keys.shape[-2]
+    assert kept < len(ids) and seen == {i: kept for i in range(1, len(attn))}
+
+
 def test_unsupported_methods_and_models_are_refused(pair):
     model, _ = pair
     with pytest.raises(ValueError, match="extra passes"):

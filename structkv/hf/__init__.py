@@ -156,11 +156,15 @@ def _post_prefill(model, capture, tokens, method: Method, retention, kept: _Kept
     def score(i, q, k, v, scale):  # each layer as its attention runs: its queries go at once
         retention.layer(LayerView(i, q, k, v, positions, positions, scale, lengths=[S], inv_freq=inv_freq))
         retention.after_propagation(None)
-    capture.on, capture.layers, capture.sink = True, {}, score
+
+    def trim(i, cache):  # the layer's entries cut to the kept ones as soon as they are chosen
+        if kept.layers[i] is not None and i < len(cache.layers):
+            cache.layers[i].keys, cache.layers[i].values = (t.contiguous() for t in kept.layers[i][:2])
+    capture.on, capture.layers, capture.sink, capture.trim = True, {}, score, trim
     try:
         out = model(input_ids=tokens, use_cache=True, logits_to_keep=1)  # the last logits only, as the pruned loop
     finally:
-        capture.on, capture.sink = False, None
+        capture.on, capture.sink, capture.trim = False, None, None
     retention.finish(None, tokens, {})
     cache = _out_cache(out)
     for layer, (k, v, _) in zip(cache.layers, kept.layers):

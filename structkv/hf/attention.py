@@ -24,6 +24,7 @@ class Capture:
     layers: dict = field(default_factory=dict)
     on: bool = False
     sink: object = None
+    trim: object = None  # (layer, cache) after a layer's attention: its cache entries cut to the kept
 
 
 def register():
@@ -57,7 +58,21 @@ def attach(model) -> Capture:
     model.set_attn_implementation(NAME)
     for module in model.modules():
         if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
+            if not hasattr(module, "_structkv_capture"):
+                module.register_forward_hook(_after_attention, with_kwargs=True)
             module._structkv_capture = capture
     return capture
+
+
+def _after_attention(module, args, kwargs, output):
+    """A forward hook (torch's, on the attention module): once a layer's attention has run, the
+    capture's `trim` may cut that layer's cache to its kept entries, so the whole prompt's K/V of
+    every layer never sit in memory at once (the cache comes as the module's `cache` argument,
+    `past_key_values` before transformers 5.2x)."""
+    capture = module._structkv_capture
+    if capture.on and capture.trim is not None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None:
+            capture.trim(module.layer_idx, cache)
 
 
