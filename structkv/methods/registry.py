@@ -90,8 +90,9 @@ register("structkv_agnostic_union", StructKV, signal="union", window=32, kv_budg
 # What a context compressed before its questions are known gets by default (`structkv generate -q`,
 # `structkv serve`'s context cache), per kind of model: a hot set at 10 % of the KV with the evicted
 # entries kept in an int4 archive (`CONTEXT_ARCHIVE`), from which every question recalls what it
-# reads (ask-time recall, `structkv.modules.recall`, 20 % of the context per layer by default). Chosen per kind by the criterion written before
-# the confirmation runs, the worst share of the full cache over that kind's development sets
+# reads (ask-time recall, `structkv.modules.recall`: 20 % of the context per layer by default,
+# "Fourth choice"). Chosen per kind by the criterion written before the confirmation runs, the
+# worst share of the full cache over that kind's development sets
 # (docs/results/README.md, "Third choice"): models with sliding-window layers (Gemma 3) the union of
 # novelty and window at 10 % (0.85, KeyDiff 0.77); dense models KeyDiff at 10 % (1.07: past
 # StructKV's pivot a dense model's layers hold only the skeleton, which recall cannot undo).
