@@ -9,8 +9,11 @@ over all projections, the bytes read, GB/s and the ratio to the float32 path's G
 
 Candidates: `float32` (W @ x^T, the decoder's few-row path), `bf16` (F.linear on bf16 weights),
 `int8_packed` (torch's `_weight_int8pack_mm`, eager), `int8_fused` (structkv's reduction compiled
-by inductor: the compiled decode step's path), `int4_packed` (`_weight_int4pack_mm_for_cpu`).
-The weights are random (the bandwidth does not depend on the values).
+by inductor: the compiled decode step's path), `int4_packed` (`_weight_int4pack_mm_for_cpu`), and
+two C++ candidates built here with g++ (`benchmarks/kernels/int8_gemv.cpp`, AVX-512): `int8_cpp`
+(codes widened to float in registers) and `int8_vnni` (x quantized per 64 values, VPDPBUSD).
+The weights are random (the bandwidth does not depend on the values); each candidate's largest
+error against the float product of the same codes is printed (relative to the output's scale).
 
     python benchmarks/projection_bandwidth.py --model smollm2 --threads 1
 """
@@ -46,8 +49,43 @@ def build(kind: str, weights: list[torch.Tensor]):
         return mods, lambda x, m: torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), m.codes, m.scales)
     if kind == "int8_fused":  # compiled as the decode step is: every product in one graph (`one_pass`)
         return mods, lambda x, m: int8_row_fused(x, m.codes, m.scales)
+    if kind in ("int8_cpp", "int8_vnni"):
+        op = getattr(torch.ops.structkv_bench, "int8_gemv" if kind == "int8_cpp" else "int8_vnni")
+        return mods, lambda x, m: op(x, m.codes, m.scales)
     return mods, lambda x, m: torch.ops.aten._weight_int4pack_mm_for_cpu(
         x.to(torch.bfloat16), m.packed, 32, m.scale_zero)
+
+
+def load_cpp() -> None:
+    """Build benchmarks/kernels/int8_gemv.cpp against this torch (about 10 s) and load its ops."""
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    source = Path(__file__).parent / "kernels" / "int8_gemv.cpp"
+    lib = Path(tempfile.mkdtemp()) / "int8_gemv.so"
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
+    cmd = ["g++", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", abi,
+           *(f"-I{p}" for p in cpp_extension.include_paths()), str(source), "-o", str(lib),
+           f"-L{torch_lib}", "-ltorch", "-ltorch_cpu", "-lc10"]
+    subprocess.run(cmd, check=True)
+    torch.ops.load_library(str(lib))
+
+
+def error(kind: str, built, weights, rows) -> float:
+    """The largest |candidate - float product of its own stored weight| over the first layer,
+    relative to the largest |output|."""
+    stored, product = built
+    worst = 0.0
+    for s, w in zip(stored[:7], weights[:7]):
+        x = rows[w.shape[1]]
+        ref = x @ (s.dequantize() if not isinstance(s, torch.Tensor) else s.float()).t()
+        worst = max(worst, float((product(x, s).float() - ref).abs().max() / ref.abs().max()))
+    return worst
 
 
 def nbytes(stored) -> int:
@@ -76,7 +114,7 @@ def _in(s) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--kinds", default="float32,bf16,int8_packed,int8_fused,int4_packed")
+    p.add_argument("--kinds", default="float32,bf16,int8_packed,int8_fused,int4_packed,int8_cpp,int8_vnni")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
@@ -87,7 +125,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=g) * 0.02 for _ in range(config.num_layers) for o, i in shapes(config)]
     rows = {i: torch.randn(1, i, generator=g) for i in {w.shape[1] for w in weights}}
-    built = {k: build(k, weights) for k in a.kinds.split(",")}
+    kinds = a.kinds.split(",")
+    if {"int8_cpp", "int8_vnni"} & set(kinds):
+        load_cpp()
+    built = {k: build(k, weights) for k in kinds}
     runs = {k: runner(k, *built[k]) for k in built}
     times = {k: [] for k in built}
     for _ in range(2):  # warm: compiles, page-in
@@ -98,15 +139,16 @@ def main() -> None:
             times[k].append(one_pass(runs[k], rows))
     print(f"{a.model}: {config.num_layers} layers x 7 projections, one row, {a.threads} thread(s), "
           f"median of {a.rounds} alternated rounds\n")
-    print("| kernel | ms per pass | weight MB | GB/s | of float32's GB/s |")
-    print("|---|---|---|---|---|")
+    print("| kernel | ms per pass | weight MB | GB/s | of float32's GB/s | largest error (relative) |")
+    print("|---|---|---|---|---|---|")
     base = None
     for k, (stored, _) in built.items():
         t = statistics.median(times[k])
         gbs = nbytes(stored) / t / 1e9
         base = base or (gbs if k == "float32" else None)
         share = f"{gbs / base:.2f}" if base else "-"
-        print(f"| {k} | {t * 1e3:.2f} | {nbytes(stored) / 1e6:.1f} | {gbs:.1f} | {share} |")
+        err = error(k, built[k], weights, rows)
+        print(f"| {k} | {t * 1e3:.2f} | {nbytes(stored) / 1e6:.1f} | {gbs:.1f} | {share} | {err:.1e} |")
 
 
 if __name__ == "__main__":
