@@ -34,17 +34,21 @@ def shapes(config) -> list[tuple[int, int]]:
     return [(q, E), (kv, E), (kv, E), (E, q), (I, E), (I, E), (E, I)]
 
 
-def build(kind: str, weights: list[torch.Tensor]):
-    """The stored form of every weight for `kind`, and one row's product through one of them."""
+def build(kind: str, weights: list[torch.Tensor], quantized: dict):
+    """The stored form of every weight for `kind`, and one row's product through one of them.
+    `quantized`: "int8" / "int4" -> the weights quantized once, shared by every kernel of that kind."""
     from structkv.models.linear import skinny
-    from structkv.models.quantized import QuantizedLinear
+    from structkv.models.quantized import INT4_GROUP, QuantizedLinear
     from structkv.ops.quantized_linear import int8_row_fused
 
     if kind == "float32":
         return weights, lambda x, w: skinny(x, w)
     if kind == "bf16":
         return [w.to(torch.bfloat16) for w in weights], lambda x, w: F.linear(x.to(torch.bfloat16), w)
-    mods = [QuantizedLinear.from_weight(w, "int8" if kind.startswith("int8") else "int4") for w in weights]
+    bits = "int8" if kind.startswith("int8") else "int4"
+    if bits not in quantized:
+        quantized[bits] = [QuantizedLinear.from_weight(w, bits) for w in weights]
+    mods = quantized[bits]
     if kind == "int8_packed":
         return mods, lambda x, m: torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), m.codes, m.scales)
     if kind == "int8_fused":  # compiled as the decode step is: every product in one graph (`one_pass`)
@@ -53,7 +57,7 @@ def build(kind: str, weights: list[torch.Tensor]):
         op = getattr(torch.ops.structkv_bench, "int8_gemv" if kind == "int8_cpp" else "int8_vnni")
         return mods, lambda x, m: op(x, m.codes, m.scales)
     return mods, lambda x, m: torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x.to(torch.bfloat16), m.packed, 32, m.scale_zero)
+        x.to(torch.bfloat16), m.packed, INT4_GROUP, m.scale_zero)
 
 
 def load_cpp() -> None:
@@ -66,14 +70,15 @@ def load_cpp() -> None:
     from torch.utils import cpp_extension
 
     source = Path(__file__).parent / "kernels" / "int8_gemv.cpp"
-    lib = Path(tempfile.mkdtemp()) / "int8_gemv.so"
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
-    cmd = ["g++", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", abi,
-           *(f"-I{p}" for p in cpp_extension.include_paths()), str(source), "-o", str(lib),
-           f"-L{torch_lib}", "-ltorch", "-ltorch_cpu", "-lc10"]
-    subprocess.run(cmd, check=True)
-    torch.ops.load_library(str(lib))
+    with tempfile.TemporaryDirectory() as tmp:  # a loaded library stays mapped once its file is gone
+        lib = Path(tmp) / "int8_gemv.so"
+        cmd = ["g++", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", abi,
+               *(f"-I{p}" for p in cpp_extension.include_paths()), str(source), "-o", str(lib),
+               f"-L{torch_lib}", "-ltorch", "-ltorch_cpu", "-lc10"]
+        subprocess.run(cmd, check=True)
+        torch.ops.load_library(str(lib))
 
 
 def error(kind: str, built, weights, rows) -> float:
@@ -128,7 +133,8 @@ def main() -> None:
     kinds = a.kinds.split(",")
     if {"int8_cpp", "int8_vnni"} & set(kinds):
         load_cpp()
-    built = {k: build(k, weights) for k in kinds}
+    quantized = {}
+    built = {k: build(k, weights, quantized) for k in kinds}
     runs = {k: runner(k, *built[k]) for k in built}
     times = {k: [] for k in built}
     for _ in range(2):  # warm: compiles, page-in

@@ -167,8 +167,8 @@ def _post_prefill(model, capture, tokens, method: Method, retention, kept: _Kept
         capture.on, capture.sink, capture.trim = False, None, None
     retention.finish(None, tokens, {})
     cache = _out_cache(out)
-    for layer, (k, v, _) in zip(cache.layers, kept.layers):
-        layer.keys, layer.values = k.contiguous(), v.contiguous()
+    for i in range(len(kept.layers)):  # the layers the hook could not cut (a retention that stores late)
+        trim(i, cache)
     stats = {"prefill_s": clock() - t0, "tokens_per_layer": [S] * len(kept.layers), "prefill_fraction": 1.0}
     return HFState(cache, out.logits[:, -1].float(), S, [p for _, _, p in kept.layers], method.name, stats)
 
