@@ -30,6 +30,13 @@ def test_a_count_keeps_that_many_tokens_or_the_whole_row(count, lengths):
     assert budget.tokens(lengths) == [min(count, n) for n in lengths]
 
 
+@given(value=st.one_of(st.floats(1e-6, 1.0), st.integers(1, 10**6)))
+def test_a_budget_prints_as_it_parses_back(value):
+    """Labels (eval's "+recall1.0") are read back as budgets: a ratio of 1.0 must not become one token."""
+    assert Budget.parse(str(Budget(value))).value == value
+    assert type(Budget.parse(str(Budget(value))).value) is type(value)
+
+
 @pytest.mark.parametrize("text, value", [("0.1", 0.1), (" 0.25 ", 0.25), ("1.0", 1.0), ("1", 1), ("512", 512),
                                          (0.2, 0.2), (64, 64), (Budget(0.5), 0.5)])
 def test_parse_tells_ratios_from_counts_by_spelling(text, value):

@@ -43,7 +43,8 @@ class Budget:
         return isinstance(self.value, float)
 
     def __str__(self) -> str:
-        return f"{self.value:g}" if self.is_ratio else str(self.value)
+        """The budget as it parses back exactly: a ratio always with a decimal point (1.0 is not 1)."""
+        return repr(float(self.value)) if self.is_ratio else str(self.value)
 
 
 def check(value, what: str = "budget") -> None:

@@ -154,9 +154,10 @@ def method_runs(cfg: EvalConfig, configs: dict | None = None) -> list[tuple[str,
         if name == "full":
             runs.append(("full", "full", None))
         else:
-            runs += [(f"{name}@{b:g}", name, b) for b in cfg.kv_budgets]
+            runs += [(f"{name}@{Budget(b)}", name, b) for b in cfg.kv_budgets]
             if not methods_registry.METHODS[name].cls.restarts:  # GemFilter re-encodes what it keeps: no archive
-                runs += [(f"{name}@{b:g}+recall{r:g}", name, b) for b in cfg.kv_budgets for r in cfg.recall]
+                # labels spell budgets as they parse back ("+recall1.0": every entry, "+recall1": one)
+                runs += [(f"{name}@{Budget(b)}+recall{Budget(r)}", name, b) for b in cfg.kv_budgets for r in cfg.recall]
     return runs
 
 
