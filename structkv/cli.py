@@ -230,6 +230,16 @@ def _positive_int(text):
     return value
 
 
+def _non_negative_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 class _Renamed(argparse.Action):
     """An option that was renamed: refused with the new name (hidden from --help)."""
 
@@ -379,7 +389,9 @@ def _serve(args) -> int:
                         compile={"auto": "auto", "always": True, "never": False}[args.compile],
                         max_prompt_tokens=args.max_prompt_tokens, archive=args.archive, recall=args.recall,
                         archive_dir=args.archive_dir, max_kv_tokens=args.max_kv_tokens,
-                        decode_evict=args.decode_evict or Settings.decode_evict)
+                        decode_evict=args.decode_evict or Settings.decode_evict,
+                        prefill_rows=Settings.prefill_rows if args.prefill_rows is None else args.prefill_rows,
+                        prefill_share=Settings.prefill_share if args.prefill_share is None else args.prefill_share)
     model = structkv.load(args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype)
     app = app_for(model, settings, max_request_bytes=args.max_request_bytes, api_key=api_key, allowed_hosts=hosts,
                 allowed_origins=args.allow_origin or (), body_timeout_s=args.body_timeout)
@@ -574,6 +586,13 @@ def main(argv=None) -> int:
                         "\"max_kv_tokens\" replaces it); default: unbounded")
     s.add_argument("--decode-evict", choices=DECODE_RULES, default=None,
                    help="what a KV bound evicts first (default centrality)")
+    s.add_argument("--prefill-rows", type=_non_negative_int, default=None,
+                   help="a prompt arriving while others decode is prefilled this many tokens of a layer at a time, "
+                        "between their decode steps (chunked prefill; default structkv.models.sliced.ROWS); "
+                        "0: it runs alone and they wait")
+    s.add_argument("--prefill-share", type=float, default=None,
+                   help="each prefill slice lasts this share of a decode step (default 0.4): larger, the new "
+                        "request's first token comes sooner and the running streams' tokens later")
     s.add_argument("--max-queue", type=_positive_int, default=16, help="requests waiting before 503 + Retry-After")
     s.add_argument("--max-batch", type=_positive_int, default=8,
                    help="requests decoding together, one step for all (continuous batching); 1: one at a time")

@@ -471,6 +471,38 @@ def test_concurrent_requests_decode_in_one_batch(chat_model, monkeypatch):
             alone(chat_model, a, max_new=24) for a in asks]
 
 
+def test_a_long_prompt_is_prefilled_between_the_running_steps(chat_model, monkeypatch):
+    """A prompt arriving while another request decodes is prefilled in slices with decode steps
+    between them (every pause point yields at share 0); both answers are their lone ones, a prompt
+    compressed with its context included; `--prefill-rows 0` runs it alone."""
+    gate = Gate(monkeypatch, 0.01)
+    running = [{"role": "user", "content": "Tell me about the keys."}]
+    arriving = [{"role": "user", "content": DOC[:600] + " Which key opens door 5?"}]
+    for rows, sliced in ((16, True), (0, False)):
+        got = {}
+        with Background(app_for(chat_model, settings(prefill_rows=rows, prefill_share=0.0))) as srv:
+            def ask(name, messages, n):
+                got[name] = post(srv, "/v1/chat/completions", {"model": NAME, "messages": messages, "max_tokens": n,
+                                                               "temperature": 0}, timeout=120).json()
+            first = threading.Thread(target=ask, args=("running", running, 40))
+            first.start()
+            while not gate.produced:  # it is decoding
+                time.sleep(0.005)
+            ask("arriving", arriving, 8)
+            first.join(120)
+            metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+        steps = [line for line in metrics.splitlines() if line.startswith("structkv_prefill_interleaved_steps_total")]
+        # sliced: a decode step of the running request at every pause point while it runs
+        # (3 layers, each 2 x ceil(tokens / 16) slices)
+        assert bool(steps) == sliced and (not sliced or int(float(steps[0].split()[-1])) > 3 * 4), steps
+        assert got["running"]["choices"][0]["message"]["content"] == alone(chat_model, running, max_new=40)
+        assert got["arriving"]["choices"][0]["message"]["content"] == alone(chat_model, arriving)
+    with pytest.raises(ValueError, match="--prefill-rows"):
+        settings(prefill_rows=-1)
+    with pytest.raises(ValueError, match="--prefill-share"):
+        settings(prefill_share=float("nan"))
+
+
 def test_cache_is_bounded_in_bytes(chat_model):
     from structkv.serve.context_cache import ContextCache, context_key, state_bytes
 

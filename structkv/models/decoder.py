@@ -323,10 +323,10 @@ class Decoder(nn.Module):
                     rope = self.rope_tables(positions)
         return h, positions
 
-    def prompt_pass(self, tokens: torch.Tensor, positions: torch.Tensor):
-        """Uncompressed prompt pass: last-token logits (B, V) and each layer's (k, v)."""
+    def prompt_pass(self, tokens: torch.Tensor, positions: torch.Tensor, block=None):
+        """Uncompressed prompt pass: last-token logits (B, V) and each layer's (k, v); `block`: see `run`."""
         kv = []
-        logits = self(tokens, positions, on_layer=lambda i, h, p, q, k, v: kv.append((k, v)), last=True)
+        logits = self(tokens, positions, on_layer=lambda i, h, p, q, k, v: kv.append((k, v)), block=block, last=True)
         return logits, kv
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:

@@ -295,7 +295,8 @@ def check_scorable(cfg) -> None:
 
 @torch.inference_mode()
 def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Method | None = None,
-             room: int = 256, compile=False, timer: Timer = NO_TIMER, archive: str | None = None) -> CompressedState:
+             room: int = 256, compile=False, timer: Timer = NO_TIMER, archive: str | None = None,
+             block=None) -> CompressedState:
     """Prefill `tokens` (B, S) at `positions` (B, S) (-1 = left padding) with `method`.
 
     `room`: cache slots after the kept entries for tokens appended later (generation, questions).
@@ -303,19 +304,23 @@ def compress(model, tokens: torch.Tensor, positions: torch.Tensor, method: Metho
     dynamic length. `timer`: a `structkv.util.timing.Timer` to fill the phase times of the stats.
     `archive`: also keep every evicted entry, in this kind ("int4", "int8", "bf16", "float"), as
     the state's `archive`, so a question can recall them (`structkv.generate(..., recall=...)`).
+    `block`: how each layer runs (`Decoder.run`'s `block`, e.g. `structkv.models.sliced.sliced_block`,
+    which makes way for other work between slices); it replaces `compile`'s.
     """
-    return compress_shared(model, tokens, positions, [method], room, compile, timer=timer, archive=archive)[0]
+    return compress_shared(model, tokens, positions, [method], room, compile, timer=timer, archive=archive,
+                           block=block)[0]
 
 
 @torch.inference_mode()
 def compress_shared(model, tokens: torch.Tensor, positions: torch.Tensor, methods: list[Method],
                     room: int = 256, compile=False, timer: Timer | None = None, observe=None,
-                    archive: str | None = None) -> list[CompressedState]:
+                    archive: str | None = None, block=None) -> list[CompressedState]:
     """Compress `tokens` (B, S) at `positions` with every method of `methods` in one pass; the
     states come back in the order of `methods`. `timer`: phase timer (default: one, so each
     method's share can be told); `observe(view)`: called with every layer's `LayerView` of the
     first stream (calibration reads the pivot statistics there); `archive`: see `compress`
-    (every state keeps its own evicted entries), or a list with one kind (or None) per method."""
+    (every state keeps its own evicted entries), or a list with one kind (or None) per method;
+    `block`: see `compress`."""
     from ..models.archive import check_kind
 
     methods = [m or Full() for m in methods]
@@ -337,18 +342,20 @@ def compress_shared(model, tokens: torch.Tensor, positions: torch.Tensor, method
     for text, index in groups.items():
         group, archives = [methods[i] for i in index], [kinds[i] for i in index]
         if text is None:
-            states = _compress(model, tokens, positions, group, room, compile, timer, observe, archive=archives)
+            states = _compress(model, tokens, positions, group, room, compile, timer, observe, archive=archives,
+                               block=block)
         else:
             ids = probing.probe_ids(model, text)
             ext, ext_pos = probing.extend(tokens, positions, ids)
             states = _compress(model, ext, ext_pos, [probing.widened(m, len(ids)) for m in group], room, compile,
-                               timer, observe, probe=len(ids), archive=archives)
+                               timer, observe, probe=len(ids), archive=archives, block=block)
         for i, method, state in zip(index, group, states):
             state.method, out[i] = method, state
     return out
 
 
-def _compress(model, tokens, positions, methods, room, compile, timer, observe, probe: int = 0, archive=None):
+def _compress(model, tokens, positions, methods, room, compile, timer, observe, probe: int = 0, archive=None,
+              block=None):
     """The pass of `compress_shared` for methods on the same tokens (the last `probe` a probe);
     `archive`: one kind (or None) per method."""
     ledger = Ledger(timer)
@@ -358,7 +365,7 @@ def _compress(model, tokens, positions, methods, room, compile, timer, observe, 
         targets = [plan_method(model, m, lengths, tokens.shape[1], room, kind)
                    for m, kind in zip(methods, archive or [None] * len(methods))]
     lanes = _lanes(targets)
-    block = layer_block(compile, model.config)
+    block = block or layer_block(compile, model.config)
     pending = [(0, Stream.start(model, tokens, positions, rows, probe), lanes, observe)]
     context = lengths - probe  # what the states and their stats speak of
     while pending:
@@ -522,7 +529,7 @@ def _own(target: _Target) -> Timer:
 
 
 def prefill(model, context=None, method: Method | None = None, *, messages=None, room: int = 256,
-            compile=False, archive: str | None = None, recall=None, archive_dir=None) -> CompressedState:
+            compile=False, archive: str | None = None, recall=None, archive_dir=None, block=None) -> CompressedState:
     """Compress once, ask many: prefill `context` (text, ids or a batch) with `method` and return
     a reusable `CompressedState`; pass it to `structkv.generate(model, question, state=...)`.
     `messages` instead of `context`: a conversation rendered by the model's chat template (e.g. a
@@ -532,7 +539,7 @@ def prefill(model, context=None, method: Method | None = None, *, messages=None,
     stored small, and every question then recalls `recall` entries per archived layer (a ratio of
     the context or a count; default `structkv.modules.recall.DEFAULT_RECALL`) chosen by its own
     attention (`structkv.modules.recall`). `archive_dir`: the archive goes to a file there
-    (memory-mapped; RAM then holds only the hot set)."""
+    (memory-mapped; RAM then holds only the hot set). `block`: see `compress`."""
     from ..modules.budget import Budget
     from ..modules.recall import DEFAULT_RECALL
 
@@ -552,7 +559,7 @@ def prefill(model, context=None, method: Method | None = None, *, messages=None,
 
         context = encode_chat(_tokenizer(model), messages, add_generation_prompt=False)
     tokens, positions, _ = encode_batch(model, context if is_batch(context) else [context])
-    state = compress(model, tokens, positions, method, room=room, compile=compile, archive=archive)
+    state = compress(model, tokens, positions, method, room=room, compile=compile, archive=archive, block=block)
     state.messages = list(messages) if messages is not None else None
     if state.archive is not None:
         state.recall = DEFAULT_RECALL if recall is None else recall

@@ -163,12 +163,13 @@ class Started:
 
 
 def start(model, prompt, *, max_new_tokens: int, method=None, state=None, backend=None, decode_backend=None,
-          timing: bool = False, recall=None, bound=None) -> Started:
+          timing: bool = False, recall=None, bound=None, block=None) -> Started:
     """The prompt pass of `generate` (see there): compress `prompt` with `method`, run it whole, or
     append it to a copy of `state`'s compressed context (recalling from its archive, `recall`);
     `backend` / `decode_backend`: compile the prefill / a one-token prompt's step (None: eager);
     `bound`: a `DecodeBound` the decode will keep (the cache then needs room for the bound, not for
-    every new token)."""
+    every new token); `block`: how the prompt's layers run (see `structkv.compress`; a question on a
+    state is appended through the cache as always)."""
     limit = model.config.max_position_embeddings
     room = max_new_tokens if bound is None else min(max_new_tokens, bound.max_tokens + 1)
     stats: dict = {}
@@ -199,14 +200,14 @@ def start(model, prompt, *, max_new_tokens: int, method=None, state=None, backen
             from .compress import compress
 
             compressed = compress(model, tokens, positions, method, room=room, compile=backend or False,
-                                  timer=Timer() if timing else NO_TIMER)
+                                  timer=Timer() if timing else NO_TIMER, block=block)
             cache, logits, next_pos = compressed.cache, compressed.logits, compressed.next_positions
             prefill = compressed.stats
             stats.update(compressed.stats.items())
             if whole:
                 stats["method"] = "full"
         else:
-            cache, logits = _full_prefill(model, tokens, positions, room, backend, decode_backend, limit)
+            cache, logits = _full_prefill(model, tokens, positions, room, backend, decode_backend, limit, block)
             next_pos = torch.tensor(lengths, device=model.device)[:, None]  # (B, 1)
             stats["method"] = "full"
     kept = sum(state.cache.nbytes()) if state is not None else sum(cache.nbytes())
@@ -365,17 +366,21 @@ def _chat_prompt(model, prompt, messages, state) -> list[int]:
     return chat.continuation(model.tokenizer, history, list(messages[len(history):]))
 
 
-def _full_prefill(model, tokens, positions, max_new_tokens, backend, decode_backend, limit):
-    """Uncompressed prefill into a static cache (compiled with a dynamic prompt length)."""
+def _full_prefill(model, tokens, positions, max_new_tokens, backend, decode_backend, limit, block=None):
+    """Uncompressed prefill into a static cache (compiled with a dynamic prompt length; eager
+    through `block` when one is given)."""
     B, S = tokens.shape
     capacity = round_capacity(S + max_new_tokens)
     cache = StaticKVCache(model.config, B, capacity, model.dtype, model.device, model.kv_dtype)
     if S == 1:  # a one-token prompt is a decode step (keeps the prefill graph dynamic, min length 2)
         return cache, step_function(decode_backend)(model, tokens, positions, cache)
-    if backend:
-        torch._dynamo.mark_dynamic(tokens, 1, min=2, max=limit)
-        torch._dynamo.mark_dynamic(positions, 1, min=2, max=limit)
-    logits, kv = (compiled_prefill(backend) if backend else _prefill)(model, tokens, positions)
+    if block is not None:
+        logits, kv = model.prompt_pass(tokens, positions, block=block)
+    else:
+        if backend:
+            torch._dynamo.mark_dynamic(tokens, 1, min=2, max=limit)
+            torch._dynamo.mark_dynamic(positions, 1, min=2, max=limit)
+        logits, kv = (compiled_prefill(backend) if backend else _prefill)(model, tokens, positions)
     for layer, (k, v) in zip(cache.layers, kv):
         layer.fill(k, v, positions)
     return cache, logits

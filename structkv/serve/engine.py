@@ -4,10 +4,14 @@ Each job is prefilled alone (its own method and budgets, or its cached context e
 question), then joins the running batch: every running request gets one token per decode step,
 all of them in one step over their stacked caches (`structkv.serve.batcher`, continuous batching),
 up to `max_batch` at once; a request leaves the batch when it ends, and a waiting one joins
-between two steps. A prefill pauses the running requests' decoding while it runs (no chunked
-prefill). Requests wait in a bounded queue; when it is full the server answers 503 with
-Retry-After instead of piling up work. A job cancelled (its client went away) before it starts is
-skipped; a running one leaves the batch at the next step, which frees its place.
+between two steps. A prefill that arrives while others decode is sliced (`prefill_rows` query
+tokens of a layer at a time, `structkv.models.sliced`) and interleaved with their decode steps
+(`structkv.serve.interleave`): each slice lasts about `prefill_share` of a decode step, so a long
+prompt slows the running streams' tokens by that share instead of stopping them for its whole
+prefill; with `prefill_rows` 0 it runs alone, as before. Requests wait in a bounded queue; when
+it is full the server answers 503 with Retry-After instead of piling up work. A job cancelled (its
+client went away) before it starts is skipped, one being prefilled in slices stops at its next
+slice, and a running one leaves the batch at the next step, which frees its place.
 
 A request's tokens are split in two: a context that is compressed once and kept in the
 `ContextCache` (an explicit `context` field, or the conversation before the last user turn when
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 
 from ..methods import Budget, build, context_archive, context_default, has_struct_budget, names
 from ..models.archive import ArchiveError, check_kind
+from ..models.sliced import ROWS, sliced_block
 from ..modules.decode_bound import DecodeBound
 from ..runtime.compress import prefill
 from ..runtime.decoding import backends
@@ -35,6 +40,7 @@ from ..text import chat
 from ..text.detokenize import StopText
 from .batcher import Batch, Row
 from .context_cache import ContextCache, context_key
+from .interleave import Interleave, Stopped
 from .metrics import Metrics
 from .protocol import APIError, Request, bad, usage
 
@@ -76,6 +82,15 @@ class Settings:
     # request's own "max_kv_tokens" replaces; `decode_evict`: the rule both use
     max_kv_tokens: int | None = None
     decode_evict: str = DecodeBound.rule
+    # A prefill arriving while others decode runs this many query tokens of a layer per slice,
+    # interleaved with their decode steps; 0: it runs alone and they wait
+    prefill_rows: int = ROWS
+    # ... its slices last this share of a decode step without a prefill (a running average): the
+    # streams' time between tokens then grows to about 1 + share, plus what a prefill running
+    # beside them costs their steps (caches), and its own prefill takes about (1 + share) / share
+    # times as long. 0.4: the p95 inter-token latency stays under 2x its idle value on Gemma 3
+    # 270M at 4K (docs/benchmarks.md, "Chunked prefill")
+    prefill_share: float = 0.4
 
     def __post_init__(self):
         for name in ("kv_budget", "struct_budget"):
@@ -91,6 +106,12 @@ class Settings:
             build(name, kv=self.kv_budget, struct=self.struct_budget)  # a bad default fails at start-up
         if self.max_kv_tokens is not None:
             DecodeBound(self.max_kv_tokens, self.decode_evict)  # a bad bound fails at start-up
+        if isinstance(self.prefill_rows, bool) or not isinstance(self.prefill_rows, int) or self.prefill_rows < 0:
+            raise ValueError(f"--prefill-rows must be an int >= 0 (0: a prefill runs alone), got {self.prefill_rows!r}")
+        if isinstance(self.prefill_share, bool) or not isinstance(self.prefill_share, (int, float)) \
+                or not 0 <= self.prefill_share < float("inf"):
+            raise ValueError(f"--prefill-share must be a number >= 0 (a prefill slice's share of a decode step), "
+                             f"got {self.prefill_share!r}")
 
 
 @dataclass
@@ -139,6 +160,7 @@ class Engine:
         self._tokenizing = threading.Semaphore(TOKENIZING)
         self._queue: queue.Queue = queue.Queue(maxsize=settings.max_queue)
         self._running = 0  # requests in the batch (read by `queued` from the event loop)
+        self._step_s = 0.05  # a decode step's running average without a prefill (seconds): a prefill slice's length
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._work, name="structkv-engine", daemon=True)
         self._thread.start()
@@ -269,17 +291,7 @@ class Engine:
         while not self._closing.is_set():
             if not self._admit(batch):
                 break
-            self._running = len(batch)
-            try:
-                ended = batch.step()
-            except Exception as e:  # noqa: BLE001 - the server must keep serving; the log has the traceback
-                log.exception("a decode step failed; its %d requests get an error", len(batch))
-                for row in batch.cancel_all():
-                    row.tag.job.emit("error", _internal(e))
-                ended = []
-            for row in ended:
-                self._finish(row)
-            self._running = len(batch)
+            self._step(batch)
         for row in batch.cancel_all():  # shutting down: what still runs has no client left
             self.metrics.add("cancelled")
             row.tag.job.emit("cancelled")
@@ -301,7 +313,10 @@ class Engine:
                 continue
             self._running = len(batch) + 1
             try:
-                batch.join(self._start(job))
+                row = self._start(job) if len(batch) == 0 or not self.settings.prefill_rows else \
+                    self._interleaved(job, batch)
+                if row is not None:
+                    batch.join(row)
             except ValueError as e:  # a limit only the model could check (e.g. cache room)
                 job.emit("error", APIError(400, str(e), code="invalid_request"))
             except Exception as e:  # noqa: BLE001
@@ -309,14 +324,55 @@ class Engine:
                 job.emit("error", _internal(e))
         return True
 
-    def _start(self, job: Job) -> Row:
+    def _step(self, batch: Batch, timed: bool = True) -> None:
+        """One decode step of the batch; its ended rows answered, its time averaged when `timed`
+        (steps between prefill slices are not: a prefill beside them slows them, and slices that
+        followed those times would grow with every step)."""
+        self._running = len(batch)
+        t0 = time.perf_counter()
+        try:
+            ended = batch.step()
+        except Exception as e:  # noqa: BLE001 - the server must keep serving; the log has the traceback
+            log.exception("a decode step failed; its %d requests get an error", len(batch))
+            for row in batch.cancel_all():
+                row.tag.job.emit("error", _internal(e))
+            ended = []
+        if timed:
+            self._step_s += 0.2 * (time.perf_counter() - t0 - self._step_s)
+        for row in ended:
+            self._finish(row)
+        self._running = len(batch)
+
+    def _interleaved(self, job: Job, batch: Batch) -> Row | None:
+        """The job's prefill in slices of about `prefill_share` decode steps, the batch's steps run
+        between them; None when the job was cancelled (or the server closes) before it ended."""
+        share = self.settings.prefill_share
+
+        def step():
+            self._step(batch, timed=False)
+            self._running = len(batch) + 1
+
+        pause = Interleave(step, lambda: share * self._step_s if len(batch) else float("inf"),
+                           stop=lambda: job.cancelled.is_set() or self._closing.is_set())
+        try:
+            return self._start(job, sliced_block(pause, self.settings.prefill_rows))
+        except Stopped:
+            self.metrics.add("cancelled")
+            job.emit("cancelled")
+            return None
+        finally:
+            self.metrics.add("prefill_interleaved_steps", pause.steps)
+
+    def _start(self, job: Job, block=None) -> Row:
         """The job's prefill (its cached context extended by the rest, or its whole prompt
-        compressed), as a batch row that streams its text to the job's client."""
+        compressed), as a batch row that streams its text to the job's client; `block`: how the
+        prompt's layers run (`structkv.models.sliced`), None: whole."""
         t0 = time.perf_counter()
         run = _Run(job, StopText(self.model.tokenizer, job.req.stop), queue_s=t0 - job.arrived)
         prefill_backend, step_backend = backends(self.model, self.settings.compile, job.max_new)
         bound = self._bound(job.req)
         backend = dict(max_new_tokens=job.max_new, backend=prefill_backend, decode_backend=step_backend, bound=bound)
+        compress = dict(backend, block=block)
         if job.prefix is not None:
             need = len(job.rest) + job.max_new
             archive = self._archive(job)
@@ -327,7 +383,7 @@ class Engine:
                 state = self._stored(key, job, need)
                 run.status = "disk" if state is not None else "miss"
             if state is None:
-                state = self._compress(key, job, need)
+                state = self._compress(key, job, need, block)
             if run.status in ("miss", "disk"):
                 self.cache.put(key, state)
             try:
@@ -342,7 +398,7 @@ class Engine:
                 started = start(self.model, job.rest, state=state, **backend)
             run.state = state
         else:
-            started = start(self.model, job.rest, method=job.method, **backend)
+            started = start(self.model, job.rest, method=job.method, **compress)
         run.prefill_s = time.perf_counter() - t0
         req = job.req
         return Row(started, job.max_new, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
@@ -353,14 +409,14 @@ class Engine:
         tokens = req.max_kv_tokens or self.settings.max_kv_tokens
         return DecodeBound(tokens, self.settings.decode_evict) if tokens is not None else None
 
-    def _compress(self, key, job: Job, need: int):
+    def _compress(self, key, job: Job, need: int, block=None):
         """The job's context compressed (archived, and written to its file, when the server recalls)."""
         s = self.settings
         archive = self._archive(job)
         if archive is None:
-            return prefill(self.model, job.prefix, job.method, room=max(s.room, need))
+            return prefill(self.model, job.prefix, job.method, room=max(s.room, need), block=block)
         state = prefill(self.model, job.prefix, job.method, room=max(s.room, need), archive=archive,
-                        recall=s.recall)
+                        recall=s.recall, block=block)
         if s.archive_dir is not None:
             save_state(state, self._file(key))
         return state
