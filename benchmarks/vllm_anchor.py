@@ -56,6 +56,7 @@ def convert(out: str, gguf: str) -> None:
     save_file(tensors, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    model.config.architectures = [type(model).__name__]  # vLLM picks its model class by this
     model.config.save_pretrained(out)
     tok.save_pretrained(out)
 
@@ -75,11 +76,13 @@ def peak_rss(pid: int) -> int:
     return total
 
 
-def wait_ready(url: str, proc, timeout: float) -> None:
+def wait_ready(url: str, proc, timeout: float, log: list[str]) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+            errors = [line for line in log if "Error" in line][-5:]
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready; its last errors:\n"
+                               + "".join(errors))
         try:
             if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
                 return
@@ -148,7 +151,7 @@ def run(args) -> None:
         reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)
         reader.start()
         try:
-            wait_ready(f"http://127.0.0.1:{port}", proc, args.start_timeout)
+            wait_ready(f"http://127.0.0.1:{port}", proc, args.start_timeout, log)
             r = load(f"http://127.0.0.1:{port}", args, docs, context=name == "structkv contexts")
             r["peak_rss_bytes"] = peak_rss(proc.pid)
             if name.startswith("structkv"):
