@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import threading
-import time
 from pathlib import Path
 
-from serve_load import QUESTIONS, documents, one, pct
+from serve_load import QUESTIONS, concurrently, documents, one, speeds
 
 
 def run(model, args, docs, clients: int, max_batch: int) -> dict:
@@ -44,18 +42,8 @@ def run(model, args, docs, clients: int, max_batch: int) -> dict:
                 with lock:
                     results.append({"client": c, **r})
 
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=worker, args=(c,)) for c in range(clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
-    lat, ttft = [r["latency_s"] for r in results], [r["ttft_s"] for r in results]
-    return {"clients": clients, "max_batch": max_batch, "requests": len(results), "wall_s": wall,
-            "tokens": sum(r["tokens"] for r in results), "tokens_per_s": sum(r["tokens"] for r in results) / wall,
-            "latency_p50_s": statistics.median(lat), "latency_p95_s": pct(lat, 0.95),
-            "ttft_p50_s": statistics.median(ttft), "ttft_p95_s": pct(ttft, 0.95),
+        wall = concurrently(worker, clients)
+    return {"clients": clients, "max_batch": max_batch, **speeds(results, wall),
             "batch_rows_max": max(r.get("batch_rows_max", 1) for r in results), "records": results}
 
 

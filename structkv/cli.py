@@ -220,24 +220,23 @@ def _seconds(text):
     return value
 
 
-def _positive_int(text):
+def _int_from(text, low: int, expected: str) -> int:
+    """An int >= `low` from an option's text; argparse's error says what was `expected`."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
     return value
+
+
+def _positive_int(text):
+    return _int_from(text, 1, "a positive integer")
 
 
 def _non_negative_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return _int_from(text, 0, "an integer >= 0")
 
 
 class _Renamed(argparse.Action):
