@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--chat", action="store_true")
     p.add_argument("--method", default="structkv_agnostic")
     p.add_argument("--kv-budget", default="0.1")
+    p.add_argument("--struct-budget", default=None, help="R_struct (StructKV's skeleton); default: the method's own")
     p.add_argument("--recall", default="0.1")
     p.add_argument("--archive", default="int4")
     p.add_argument("--kv-dtype", default=None)
@@ -53,7 +54,7 @@ def main() -> None:
     cfg = EvalConfig("ruler", model=args.model, tasks=["niah_many"], samples=4 * args.contexts, lengths=[args.length],
                      seed=args.seed, question_after=True, chat=args.chat)
     samples = build_samples(cfg, model.tokenizer)
-    method = methods.build(args.method, kv=args.kv_budget)
+    method = methods.build(args.method, kv=args.kv_budget, struct=args.struct_budget)
     ratios, hot, archive, full = [], [], [], []
     for c in range(args.contexts):
         context = samples[4 * c]["input_ids"]
@@ -76,10 +77,10 @@ def main() -> None:
             print(f"context {c} question {s['index']}: {len(q)} tokens, plain {statistics.median(plain) * 1e3:.1f} ms, "
                   f"with recall {statistics.median(recall) * 1e3:.1f} ms, ratio {ratios[-1]:.2f}", flush=True)
     f = statistics.mean(full)
-    print(f"\n| model | method | R_KV | recall | archive | KV entries | hot / bf16 full | archive / bf16 full | "
+    print(f"\n| model | method | R_KV | R_struct | recall | archive | KV entries | hot / bf16 full | archive / bf16 full | "
           f"hot + archive / bf16 full | question time with / without recall (median, {len(ratios)} questions) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| {args.model} {args.length} | {args.method} | {args.kv_budget} | {args.recall} | {args.archive} | "
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| {args.model} {args.length} | {args.method} | {args.kv_budget} | {args.struct_budget or 'default'} | {args.recall} | {args.archive} | "
           f"{args.kv_dtype or 'model dtype'} | {statistics.mean(hot) / f:.3f} | {statistics.mean(archive) / f:.3f} | "
           f"{(statistics.mean(hot) + statistics.mean(archive)) / f:.3f} | {statistics.median(ratios):.2f}x "
           f"[{min(ratios):.2f}, {max(ratios):.2f}] |")
