@@ -77,10 +77,12 @@ def main() -> None:
             print(f"context {c} question {s['index']}: {len(q)} tokens, plain {statistics.median(plain) * 1e3:.1f} ms, "
                   f"with recall {statistics.median(recall) * 1e3:.1f} ms, ratio {ratios[-1]:.2f}", flush=True)
     f = statistics.mean(full)
-    print(f"\n| model | method | R_KV | R_struct | recall | archive | KV entries | hot / bf16 full | archive / bf16 full | "
-          f"hot + archive / bf16 full | question time with / without recall (median, {len(ratios)} questions) |")
+    print(f"\n| model | method | R_KV | R_struct | recall | archive | KV entries | hot / bf16 full | "
+          f"archive / bf16 full | hot + archive / bf16 full | "
+          f"question time with / without recall (median, {len(ratios)} questions) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| {args.model} {args.length} | {args.method} | {args.kv_budget} | {args.struct_budget or 'default'} | {args.recall} | {args.archive} | "
+    print(f"| {args.model} {args.length} | {args.method} | {args.kv_budget} | {args.struct_budget or 'default'} | "
+          f"{args.recall} | {args.archive} | "
           f"{args.kv_dtype or 'model dtype'} | {statistics.mean(hot) / f:.3f} | {statistics.mean(archive) / f:.3f} | "
           f"{(statistics.mean(hot) + statistics.mean(archive)) / f:.3f} | {statistics.median(ratios):.2f}x "
           f"[{min(ratios):.2f}, {max(ratios):.2f}] |")

