@@ -149,3 +149,30 @@ def test_bounded_rows_joining_and_leaving_get_their_lone_answers(tiny_dir, arch)
                 assert all(n <= r.bound.max_tokens for n, r in zip(held, live) if r.bound is not None)
         step += 1
     assert [r.tokens for r in rows] == want
+
+
+@pytest.mark.parametrize("arch,graphs", [("llama", 3), ("gemma3_text", 6)])
+def test_compiled_batch_step_does_not_recompile_as_rows_join_and_leave(tiny_dir, arch, graphs):
+    """Serve's compiled step keeps the row count and the cache's capacity symbolic: one graph per row
+    class (1 row; 2 to SKINNY_ROWS; more), times ring-or-not for a hybrid model's sliding layers,
+    serves every membership and length the schedule meets, and rows still get their lone answers."""
+    from torch._dynamo.utils import counters
+
+    model = structkv.load(tiny_dir(arch))
+    prompts = [prompt(n, i) for i, (n, *_) in enumerate(REQUESTS)]
+    want = [alone(model, p, name, new, s) for p, (_, name, new, s) in zip(prompts, REQUESTS)]
+    batch = Batch(model, compile="eager")
+    batch.eos = set()
+    rows = [row(model, p, name, new, s) for p, (_, name, new, s) in zip(prompts, REQUESTS)]
+    joins = {0: [0], 2: [1], 3: [2], 5: [3, 4]}
+    before, shapes, step = counters["stats"]["unique_graphs"], set(), 0
+    while step == 0 or len(batch):
+        for i in joins.get(step, ()):
+            batch.join(rows[i])
+        batch.step()
+        if batch.cache is not None:
+            shapes.add(tuple(layer.k.shape[:3:2] for layer in batch.cache.layers))  # (rows, capacity) per layer
+        step += 1
+    assert [r.tokens for r in rows] == want
+    assert len(shapes) >= 6  # a graph per shape would have compiled this many
+    assert counters["stats"]["unique_graphs"] - before <= graphs

@@ -29,9 +29,45 @@ def compiled_decode(backend="inductor"):
     return compiled_per_model(decode_step, backend, fullgraph=True, dynamic=False)
 
 
-def step_function(backend=None):
-    """The decode step for `backend` (a torch.compile backend, or None: eager)."""
-    return compiled_decode(backend) if backend else decode_step
+# What changes as rows join and leave a running batch: the row count (dim 0) of the tokens, the
+# positions and every cache buffer, and the capacity (dim 2) of the cache's planes and positions.
+# Module buffers are static to dynamo unless a source names them (`torch.compiler.config.dynamic_sources`).
+_LAYER_BUFFER = r"L\['cache'\]\._modules\['layers'\]\._modules\['\d+'\]\._buffers\['"
+ROWS_AND_CAPACITY = ",".join([r"L\['tokens'\]:0", r"L\['positions'\]:0", _LAYER_BUFFER + r"\w+'\]:0",
+                              _LAYER_BUFFER + r"(k|v|pos)(_\w+)?'\]:2"])
+
+
+def batch_step(model, tokens, positions, cache):
+    """`decode_step` under its own code object, so the batch's symbolic graphs have a cache of their own."""
+    return model.decode_step(tokens, positions, cache)
+
+
+def compiled_batch_decode(backend="inductor"):
+    """The decode step of a batch whose rows come and go (serve's), compiled with the row count
+    and the cache's capacity symbolic: one graph per row class (1 row; 2 up to
+    `structkv.models.linear.SKINNY_ROWS`; more) serves every later membership and length, where a
+    static graph per (rows, capacity) recompiled at every join and leave (docs/benchmarks.md).
+    The sources are named only while this step runs (set and restored around each call, ~10 us):
+    other compiled functions keep their static shapes."""
+    step = compiled_per_model(batch_step, backend, fullgraph=True, dynamic=False)
+
+    def call(model, tokens, positions, cache):
+        before = torch.compiler.config.dynamic_sources
+        torch.compiler.config.dynamic_sources = ROWS_AND_CAPACITY
+        try:
+            return step(model, tokens, positions, cache)
+        finally:
+            torch.compiler.config.dynamic_sources = before
+
+    return call
+
+
+def step_function(backend=None, rows_vary: bool = False):
+    """The decode step for `backend` (a torch.compile backend, or None: eager); `rows_vary`: rows
+    join and leave between steps (`compiled_batch_decode`)."""
+    if not backend:
+        return decode_step
+    return compiled_batch_decode(backend) if rows_vary else compiled_decode(backend)
 
 
 def backends(model, compile, max_new_tokens) -> tuple:

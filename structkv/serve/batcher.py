@@ -75,13 +75,13 @@ class Batch:
     first token at the next `step`); `step` samples one token for every row, retires the rows that
     ended and feeds the others' tokens through one decode step. Rows are in join order.
 
-    Args: model; compile: the decode step's backend (None: eager; a compiled step recompiles for
-    each new batch size and cache capacity, up to `structkv.util.compiling`'s limit, then runs eager).
+    Args: model; compile: the decode step's backend (None: eager; compiled, one graph per row class
+    serves every batch size and cache capacity: `structkv.runtime.decoding.compiled_batch_decode`).
     """
 
     def __init__(self, model, compile: str | None = None):
         self.model = model
-        self.step_fn = step_function(compile)
+        self.step_fn = step_function(compile, rows_vary=True)
         self.rows: list[Row] = []
         self.running: Decoding | None = None  # the rows fed at the last step: stacked cache, logits, positions
         self.joining: list[Row] = []  # rows added since the last step: their own caches, not stacked yet

@@ -285,7 +285,7 @@ class Engine:
 
     # ------------------------------------------------------------------ worker thread
     def _work(self) -> None:
-        compile = self.settings.compile  # the batch's shapes change with every join: compiled only when asked
+        compile = self.settings.compile  # a row class's first graph stalls every stream: compiled only when asked
         batch = Batch(self.model, compile=None if compile in ("auto", False, None) else
                       ("inductor" if compile is True else compile))
         while not self._closing.is_set():
