@@ -24,8 +24,7 @@ def run(model, mode: str, plan) -> dict:
     from torch._dynamo.utils import counters
 
     from structkv.runtime import decoding
-    from structkv.runtime.generation import start
-    from structkv.serve.batcher import Batch, Row
+    from structkv.serve.batcher import Batch
     from structkv.util.compiling import compiled_per_model
 
     batch = Batch(model, compile="inductor")  # symbolic rows and capacity
@@ -39,7 +38,7 @@ def run(model, mode: str, plan) -> dict:
     while pending or len(batch):
         if pending and steps % 4 == 0:
             n, new = pending.pop(0)
-            batch.join(Row(start(model, list(range(10, 10 + n)), max_new_tokens=new), new))
+            join(model, batch, n, new)
         graphs, t0, rows = counters["stats"]["unique_graphs"], time.perf_counter(), len(batch)
         batch.step()
         steps += 1
@@ -51,17 +50,22 @@ def run(model, mode: str, plan) -> dict:
             "step_ms": 1e3 * statistics.median(t for _, t in plain)}
 
 
-def steady_step(model, batch, rows: int = 3, warm: int = 5, timed: int = 20) -> float:
-    """Median ms of a step once `rows` rows run together and nothing joins or leaves (the graphs a
-    steady batch runs; a per-shape step compiles its new shape in the warm steps)."""
+def join(model, batch, prompt_tokens: int, new_tokens: int) -> None:
+    """A row of `prompt_tokens` made-up tokens, prefilled and joining `batch` for `new_tokens`."""
     from structkv.runtime.generation import start
     from structkv.serve.batcher import Row
 
+    batch.join(Row(start(model, list(range(10, 10 + prompt_tokens)), max_new_tokens=new_tokens), new_tokens))
+
+
+def steady_step(model, batch, rows: int = 3, warm: int = 5, timed: int = 20) -> float:
+    """Median ms of a step once `rows` rows run together and nothing joins or leaves (the graphs a
+    steady batch runs; a per-shape step compiles its new shape in the warm steps)."""
     batch.eos = set()
     for n in (40, 100, 300)[:rows]:
-        batch.join(Row(start(model, list(range(10, 10 + n)), max_new_tokens=warm + timed + 1), warm + timed + 1))
+        join(model, batch, n, warm + timed + 1)
     times = []
-    for i in range(warm + timed):
+    for _ in range(warm + timed):
         t0 = time.perf_counter()
         batch.step()
         times.append(time.perf_counter() - t0)

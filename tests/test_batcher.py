@@ -38,17 +38,22 @@ def row(model, ids, name, max_new, sampling):
     return Row(start(model, ids, max_new_tokens=max_new, method=method), max_new, **sampling)
 
 
+def requests(model) -> tuple[list[Row], list[list[int]]]:
+    """REQUESTS' rows, prefilled, and each one's tokens from `generate` alone."""
+    prompts = [prompt(n, i) for i, (n, *_) in enumerate(REQUESTS)]
+    want = [alone(model, p, name, new, s) for p, (_, name, new, s) in zip(prompts, REQUESTS)]
+    return [row(model, p, name, new, s) for p, (_, name, new, s) in zip(prompts, REQUESTS)], want
+
+
 @pytest.mark.parametrize("arch,kv_dtype", [("llama", None), ("gemma3_text", None), ("llama", "int8")])
 def test_rows_joining_and_leaving_get_their_lone_answers(tiny_dir, arch, kv_dtype):
     """Five requests join at different steps (two at once, then one per step) and leave when their
     token limits differ; a hybrid model's sliding layers go through rings; int8 entries move with
     their scales. Greedy and seeded sampled rows both equal `generate` alone."""
     model = structkv.load(tiny_dir(arch), kv_dtype=kv_dtype)
-    prompts = [prompt(n, i) for i, (n, *_) in enumerate(REQUESTS)]
-    want = [alone(model, p, name, new, s) for p, (_, name, new, s) in zip(prompts, REQUESTS)]
+    rows, want = requests(model)
     batch = Batch(model)
     batch.eos = set()  # random weights: never stop early, so every row runs to its limit
-    rows = [row(model, p, name, new, s) for p, (_, name, new, s) in zip(prompts, REQUESTS)]
     joins = {0: [0, 1], 2: [2], 3: [3], 5: [4]}  # step -> rows joining before it
     ended, step = [], 0
     while len(ended) < len(rows):
@@ -159,11 +164,9 @@ def test_compiled_batch_step_does_not_recompile_as_rows_join_and_leave(tiny_dir,
     from torch._dynamo.utils import counters
 
     model = structkv.load(tiny_dir(arch))
-    prompts = [prompt(n, i) for i, (n, *_) in enumerate(REQUESTS)]
-    want = [alone(model, p, name, new, s) for p, (_, name, new, s) in zip(prompts, REQUESTS)]
+    rows, want = requests(model)
     batch = Batch(model, compile="eager")
     batch.eos = set()
-    rows = [row(model, p, name, new, s) for p, (_, name, new, s) in zip(prompts, REQUESTS)]
     joins = {0: [0], 2: [1], 3: [2], 5: [3, 4]}
     before, shapes, step = counters["stats"]["unique_graphs"], set(), 0
     while step == 0 or len(batch):

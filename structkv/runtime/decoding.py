@@ -47,8 +47,8 @@ def compiled_batch_decode(backend="inductor"):
     and the cache's capacity symbolic: one graph per row class (1 row; 2 up to
     `structkv.models.linear.SKINNY_ROWS`; more) serves every later membership and length, where a
     static graph per (rows, capacity) recompiled at every join and leave (docs/benchmarks.md).
-    The sources are named only while this step runs (set and restored around each call, ~10 us):
-    other compiled functions keep their static shapes."""
+    The sources are named only while this step runs (set and restored around each call): other
+    compiled functions keep their static shapes."""
     step = compiled_per_model(batch_step, backend, fullgraph=True, dynamic=False)
 
     def call(model, tokens, positions, cache):
