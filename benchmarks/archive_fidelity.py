@@ -25,32 +25,24 @@ from structkv.runtime.generation import _question_ids
 TOP = 32
 
 
-BLOCK = 32  # entries per per-channel table of the candidate below
-
-
-def channels_int4(x: torch.Tensor) -> torch.Tensor:
-    """A candidate, not in the library: x (Hkv, T, D) as 4-bit codes with a scale and minimum per
-    channel over blocks of BLOCK entries (KIVI's key quantization, Liu et al. 2024), read back.
-    The tables cost the same bytes per entry as int4's per-entry groups of 32 (6 bytes per 32)."""
-    H, T, D = x.shape
-    padded = torch.cat([x, x[:, -1:].expand(H, (-T) % BLOCK, D)], 1)  # repeat the last entry up to a block
-    g = padded.view(H, -1, BLOCK, D)  # (Hkv, blocks, BLOCK, D)
-    lo = g.amin(2, keepdim=True)
-    step = ((g.amax(2, keepdim=True) - lo) / 15).clamp_min(1e-12)
-    return (torch.round((g - lo) / step).clamp(0, 15) * step + lo).view(H, -1, D)[:, :T]
-
-
 def encoded(x: torch.Tensor, kind: str, side: str) -> torch.Tensor:
-    """x (Hkv, T, D) float32 -> the same entries as `kind` stores them, read back in float32.
-    "int4_kchannel": keys per channel (`channels_int4`), values as the archive's int4."""
-    if kind == "int4_kchannel":
-        return channels_int4(x) if side == "k" else encoded(x, "int4", side)
-    return kv_archive.decode(kv_archive.encode(x, kind), kind)
+    """x (Hkv, T, D) float32 -> the same entries as an archive of `kind` stores them, read back."""
+    entries = x.transpose(0, 1)[:, None]  # (T, 1, Hkv, D): entries first, one row
+    planes = list(kv_archive.encode(entries, kind, side))
+    return kv_archive.decode_run(planes, kind, side)[:, 0].transpose(0, 1)  # (Hkv, T, D)
+
+
+def entry_bytes(kind: str, D: int) -> float:
+    """Bytes an entry's key and value take in `kind`, over one block of entries (per-channel tables)."""
+    n = kv_archive.CHANNEL_BLOCK
+    return sum(t.numel() * t.element_size() for side in "kv"
+               for t in kv_archive.encode(torch.zeros(n, 1, D), kind, side)) / (2 * n)
 
 
 def attention(q, k, v, n_ctx, scale):
     """q (Hq, S, D) over k, v (Hkv, T, D), the last S keys causal -> probabilities on the first
-    n_ctx keys (Hq, S, n_ctx) and the output (Hq, S, D)."""
+    n_ctx keys (Hq, S, n_ctx), every key's (Hq, S, T: the KL's distribution, which sums to 1) and
+    the output (Hq, S, D)."""
     Hq, S, _ = q.shape
     G = Hq // k.shape[0]
     kk, vv = k.repeat_interleave(G, 0), v.repeat_interleave(G, 0)  # (Hq, T, D)
@@ -58,7 +50,7 @@ def attention(q, k, v, n_ctx, scale):
     T = k.shape[1]
     causal = torch.ones(S, T, dtype=torch.bool).tril(T - S)
     p = logits.masked_fill(~causal, float("-inf")).softmax(-1)
-    return p[..., :n_ctx], p @ vv
+    return p[..., :n_ctx], p, p @ vv
 
 
 def main() -> None:
@@ -68,7 +60,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=8)
     p.add_argument("--contexts", type=int, default=2)
     p.add_argument("--chat", action="store_true")
-    p.add_argument("--kinds", default="int4,int4_kchannel,int8,bf16")
+    p.add_argument("--kinds", default="int4_token,int4,int8,bf16")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
     if args.threads:
@@ -94,14 +86,14 @@ def main() -> None:
         for i in full:
             q, k, v = (t.float() for t in seen[i])
             scale = model.model.layers[i].self_attn.scale
-            p_ref, o_ref = attention(q, k, v, len(ctx), scale)
+            p_ref, all_ref, o_ref = attention(q, k, v, len(ctx), scale)
             top_ref = p_ref.sum((0, 1)).topk(TOP).indices
             for kind in kinds:
                 n = len(ctx)
                 k2 = torch.cat([encoded(k[:, :n], kind, "k"), k[:, n:]], 1)
                 v2 = torch.cat([encoded(v[:, :n], kind, "v"), v[:, n:]], 1)
-                p2, o2 = attention(q, k2, v2, n, scale)
-                kl = (p_ref * (p_ref.clamp_min(1e-30).log() - p2.clamp_min(1e-30).log())).sum(-1).mean()
+                p2, all2, o2 = attention(q, k2, v2, n, scale)
+                kl = (all_ref * (all_ref.clamp_min(1e-30).log() - all2.clamp_min(1e-30).log())).sum(-1).mean()
                 rel = ((o2 - o_ref).norm(dim=-1) / o_ref.norm(dim=-1)).mean()
                 top = len(set(top_ref.tolist()) & set(p2.sum((0, 1)).topk(TOP).indices.tolist())) / TOP
                 sums[(kind, i)] += torch.tensor([kl.item(), rel.item(), top])
@@ -112,8 +104,7 @@ def main() -> None:
     print("|---|---|" + "---|" * len(full))
     D = model.config.head_dim
     for kind in kinds:
-        stored = "int4" if kind == "int4_kchannel" else kind  # the same bytes (see channels_int4)
-        nbytes = sum(t.numel() * t.element_size() for t in kv_archive.encode(torch.zeros(1, D), stored))
+        nbytes = f"{entry_bytes(kind, D):g}"
         cells = [f"{a:.2e} / {b:.3f} / {c:.2f}" for a, b, c in (sums[(kind, i)] / n for i in full)]
         print(f"| {kind} | {nbytes} | " + " | ".join(cells) + " |")
 

@@ -9,7 +9,11 @@ over all projections, the bytes read, GB/s and the ratio to the float32 path's G
 
 Candidates: `float32` (W @ x^T, the decoder's few-row path), `bf16` (F.linear on bf16 weights),
 `int8_packed` (torch's `_weight_int8pack_mm`, eager), `int8_fused` (structkv's reduction compiled
-by inductor: the compiled decode step's path), `int4_packed` (`_weight_int4pack_mm_for_cpu`), and
+by inductor: the compiled decode step's path), `int4_packed` (`_weight_int4pack_mm_for_cpu`),
+`int4_fused` (a candidate: int4 codes in a plain layout, `Int4Rows`, dequantized in registers by an
+inductor reduction, as `int8_fused` does for int8), `int4_cpp` / `int4_vnni` (the same layout in
+`benchmarks/kernels/int4_gemv.cpp`: widened to float, or VPDPBUSD on x quantized per 32, one row at
+a time), `int4_tiled` (VPDPBUSD vectorised across 16 output rows, `Int4Tiles`), and
 two C++ candidates built here with g++ (`benchmarks/kernels/int8_gemv.cpp`, AVX-512): `int8_cpp`
 (codes widened to float in registers) and `int8_vnni` (x quantized per 64 values, VPDPBUSD).
 The weights are random (the bandwidth does not depend on the values); each candidate's largest
@@ -56,12 +60,86 @@ def build(kind: str, weights: list[torch.Tensor], quantized: dict):
     if kind in ("int8_cpp", "int8_vnni"):
         op = getattr(torch.ops.structkv_bench, "int8_gemv" if kind == "int8_cpp" else "int8_vnni")
         return mods, lambda x, m: op(x, m.codes, m.scales)
+    if kind == "int4_tiled":  # `Int4Tiles`' layout, benchmarks/kernels/int4_gemv.cpp
+        return ([Int4Tiles(m.dequantize()) for m in mods],
+                lambda x, m: torch.ops.structkv_bench4.int4_tiled(x, m.codes, m.scale, m.lo))
+    if kind in ("int4_cpp", "int4_vnni"):  # `Int4Rows`' layout read by benchmarks/kernels/int4_gemv.cpp
+        op = getattr(torch.ops.structkv_bench4, "int4_gemv" if kind == "int4_cpp" else "int4_vnni")
+        return ([Int4Rows(m.dequantize()) for m in mods],
+                lambda x, m: op(x, m.codes, m.scale, m.lo))
+    if kind == "int4_fused":  # a candidate layout: compiled as the decode step is
+        return [Int4Rows(m.dequantize()) for m in mods], lambda x, m: int4_row_fused(x, m.codes, m.scale, m.lo)
     return mods, lambda x, m: torch.ops.aten._weight_int4pack_mm_for_cpu(
         x.to(torch.bfloat16), m.packed, INT4_GROUP, m.scale_zero)
 
 
-def load_cpp() -> None:
-    """Build benchmarks/kernels/int8_gemv.cpp against this torch (about 10 s) and load its ops."""
+class Int4Rows:
+    """A candidate int4 layout for one-row products written as a reduction: codes (N, K/2) uint8,
+    per group of 32 columns byte j holding column j (low nibble) and j + 16 (high); bf16 scale
+    and minimum (N, K/32), w = code * scale + min. Built from a weight already on a 16-level grid
+    (the int4 kernel's), so its codes are the same weights."""
+
+    def __init__(self, w: torch.Tensor):
+        N, K = w.shape
+        g = w.view(N, K // 32, 32)  # (N, G, 32)
+        lo = g.amin(-1)
+        scale = ((g.amax(-1) - lo) / 15).clamp_min(1e-12)
+        self.scale, self.lo = scale.to(torch.bfloat16), lo.to(torch.bfloat16)
+        codes = torch.round((g - self.lo.float()[..., None]) / self.scale.float()[..., None]).clamp(0, 15)
+        codes = codes.to(torch.uint8)
+        self.codes = (codes[..., :16] | (codes[..., 16:] << 4)).view(N, K // 2)
+        self.in_features = K
+
+    def dequantize(self) -> torch.Tensor:
+        N = self.codes.shape[0]
+        c = self.codes.view(N, -1, 16)
+        codes = torch.cat([c & 15, c >> 4], -1).float()  # (N, G, 32)
+        return (codes * self.scale.float()[..., None] + self.lo.float()[..., None]).view(N, -1)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.lo))
+
+
+class Int4Tiles(Int4Rows):
+    """The same codes and tables as `Int4Rows`, tiled for a kernel vectorised across output rows:
+    codes (N/16, K/8, 64), byte 4i + j of a step holding row i's column j (low nibble) and 4 + j
+    (high); tables (N/16, K/32, 16)."""
+
+    def __init__(self, w: torch.Tensor):
+        super().__init__(w)
+        N, K = w.shape
+        c = self.codes.view(N, K // 32, 16)
+        full = torch.cat([c & 15, c >> 4], -1).view(N // 16, 16, K // 8, 2, 4)  # (tiles, row, step, half, j)
+        full = full.permute(0, 2, 1, 4, 3)  # (tiles, step, row, j, half)
+        self.codes = (full[..., 0] | (full[..., 1] << 4)).reshape(N // 16, K // 8, 64).contiguous()
+        self.scale, self.lo = (t.view(N // 16, 16, K // 32).transpose(1, 2).contiguous() for t in (self.scale, self.lo))
+        self.shape = (N, K)
+
+    def dequantize(self) -> torch.Tensor:
+        N, K = self.shape
+        c = self.codes.view(N // 16, K // 8, 16, 4)
+        full = torch.stack([c & 15, c >> 4], -1)  # (tiles, step, row, j, half)
+        codes = full.permute(0, 2, 1, 4, 3).reshape(N, K).float()  # column 8 * step + 4 * half + j
+        scale = self.scale.transpose(1, 2).reshape(N, K // 32).float().repeat_interleave(32, 1)
+        lo = self.lo.transpose(1, 2).reshape(N, K // 32).float().repeat_interleave(32, 1)
+        return codes * scale + lo
+
+
+def int4_row_fused(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """x (1, K) float32 -> (1, N) over `Int4Rows`' layout: each weight dequantized in registers
+    (code * scale + min) and multiplied by x, one reduction over all K per row (a reduction per
+    group would end every 16 bytes in a horizontal sum); each byte read once."""
+    N, G = scale.shape
+    c = codes.view(N, G, 16)
+    xg = x.view(1, G, 2, 16)  # (1, G, low/high, 16)
+    s, m = scale.float()[..., None], lo.float()[..., None]  # (N, G, 1)
+    low = ((c & 15).float() * s + m) * xg[:, :, 0]  # (N, G, 16)
+    high = ((c >> 4).float() * s + m) * xg[:, :, 1]
+    return (low + high).sum((1, 2))[None]  # (1, N)
+
+
+def load_cpp(name: str) -> None:
+    """Build benchmarks/kernels/<name>.cpp against this torch (about 10 s) and load its ops."""
     import os
     import subprocess
     import tempfile
@@ -69,11 +147,11 @@ def load_cpp() -> None:
 
     from torch.utils import cpp_extension
 
-    source = Path(__file__).parent / "kernels" / "int8_gemv.cpp"
+    source = Path(__file__).parent / "kernels" / f"{name}.cpp"
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
     with tempfile.TemporaryDirectory() as tmp:  # a loaded library stays mapped once its file is gone
-        lib = Path(tmp) / "int8_gemv.so"
+        lib = Path(tmp) / f"{name}.so"
         cmd = ["g++", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", abi,
                *(f"-I{p}" for p in cpp_extension.include_paths()), str(source), "-o", str(lib),
                f"-L{torch_lib}", "-ltorch", "-ltorch_cpu", "-lc10"]
@@ -103,7 +181,7 @@ def runner(kind: str, stored, product):
     guards)."""
     def run(rows: dict):
         return [product(rows[_in(s)], s) for s in stored]
-    return torch.compile(run, dynamic=False) if kind == "int8_fused" else run
+    return torch.compile(run, dynamic=False) if kind in ("int8_fused", "int4_fused") else run
 
 
 def one_pass(run, rows: dict) -> float:
@@ -132,7 +210,9 @@ def main() -> None:
     rows = {i: torch.randn(1, i, generator=g) for i in {w.shape[1] for w in weights}}
     kinds = a.kinds.split(",")
     if {"int8_cpp", "int8_vnni"} & set(kinds):
-        load_cpp()
+        load_cpp("int8_gemv")
+    if {"int4_cpp", "int4_vnni", "int4_tiled"} & set(kinds):
+        load_cpp("int4_gemv")
     quantized = {}
     built = {k: build(k, weights, quantized) for k in kinds}
     runs = {k: runner(k, *built[k]) for k in built}
@@ -159,3 +239,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

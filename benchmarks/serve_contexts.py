@@ -19,12 +19,13 @@ from structkv import methods
 from structkv.harness.eval.runner import EvalConfig, build_samples
 from structkv.serve.context_cache import archive_bytes, hot_bytes, state_bytes
 
-# (label, method, R_KV, archive kind or None, archive on disk, KV entries dtype or None)
+# (label, method (None: the model kind's default, `methods.context_default`), R_KV, archive kind
+# or None, archive on disk, KV entries dtype or None)
 CONFIGS = [
     ("old default: structkv_agnostic_union @ 0.2", "structkv_agnostic_union", None, None, False, None),
-    ("new default: keydiff @ 0.1 + int4 archive in RAM", "keydiff", None, "int4", False, None),
-    ("new default, --archive-dir", "keydiff", None, "int4", True, None),
-    ("new default, --archive-dir, --kv-dtype int8", "keydiff", None, "int4", True, "int8"),
+    ("default: {name} @ {kv} + int4 archive in RAM", None, None, "int4", False, None),
+    ("default, --archive-dir", None, None, "int4", True, None),
+    ("default, --archive-dir, --kv-dtype int8", None, None, "int4", True, "int8"),
 ]
 
 
@@ -45,6 +46,9 @@ def main() -> None:
         if kv_dtype not in models:
             models[kv_dtype] = structkv.load(args.model, kv_dtype=kv_dtype)
         model = models[kv_dtype]
+        if name is None:
+            name, kv = methods.context_default(model.config)
+            label = label.format(name=name, kv=kv)
         cfg = EvalConfig("ruler", model=args.model, tasks=["niah_many"], samples=1, lengths=[args.length], seed=42,
                          question_after=True, chat=args.chat)
         context = build_samples(cfg, model.tokenizer)[0]["input_ids"]

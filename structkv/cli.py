@@ -12,6 +12,8 @@ from structkv.util.fetch import cache_root
 
 # `structkv.modules.decode_bound.RULES`, named here so `--help` does not import torch (a test checks they agree)
 DECODE_RULES = ("window", "redundancy", "recent", "centrality")
+# `structkv.models.archive.KINDS`, named here for the same reason
+ARCHIVE_KINDS = ("int4", "int4_token", "int8", "bf16", "float")
 
 DEMO_METHODS = ["full", "streaming_llm", "snapkv", "pyramidkv", "h2o", "gemfilter", "fastkv", "structkv",
                 "structkv_paper"]
@@ -430,7 +432,7 @@ def main(argv=None) -> int:
     g.add_argument("-q", "--question", action="append", default=[],
                    help="a question about the prompt: the prompt is compressed once and every --question is "
                         "answered from that compressed state (repeat the option to ask several)")
-    g.add_argument("--archive", choices=("int4", "int8", "bf16", "float", "none"), default=None,
+    g.add_argument("--archive", choices=(*ARCHIVE_KINDS, "none"), default=None,
                    help="with -q: how the entries the method evicts are kept, so each question recalls the ones "
                         "it needs (ask-time recall; docs/methods.md); default int4 for a method that evicts, "
                         "'none' turns recall off")
@@ -509,7 +511,7 @@ def main(argv=None) -> int:
                    help="with --question-after-compression: each compressing method also runs with ask-time recall "
                         "at these budgets (entries per archived layer, ratios like --kv-budget or counts), labelled "
                         "name@R_KV+recall<r>; its evicted entries archived as --archive")
-    e.add_argument("--archive", choices=("int4", "int8", "bf16", "float"), default="int4",
+    e.add_argument("--archive", choices=ARCHIVE_KINDS, default="int4",
                    help="how the recall runs store the evicted entries (default int4)")
     e.add_argument("--continuation", type=_positive_int, default=64,
                    help="fidelity: tokens of the full cache's greedy continuation scored per prompt")
@@ -572,7 +574,7 @@ def main(argv=None) -> int:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--cache-bytes", type=_bytes, default=1 << 30,
                    help="bound on the compressed contexts kept between requests, e.g. 512MiB (0: no cache)")
-    s.add_argument("--archive", choices=("int4", "int8", "bf16", "float", "none"), default=None,
+    s.add_argument("--archive", choices=(*ARCHIVE_KINDS, "none"), default=None,
                    help="how cached contexts keep the entries their method evicts, so each question recalls the "
                         "ones it needs (ask-time recall); default int4 for a method that evicts, 'none': off")
     s.add_argument("--recall", default=None, help="entries recalled per archived layer per question, "

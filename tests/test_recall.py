@@ -81,7 +81,7 @@ def test_the_question_reads_as_with_the_full_cache(model):
 
 @settings(max_examples=12, deadline=None)
 @given(n=st.integers(20, 90), budget=st.integers(8, 19), seed=st.integers(0, 50),
-       kind=st.sampled_from(["float", "bf16", "int8", "int4"]))
+       kind=st.sampled_from(["float", "bf16", "int8", "int4", "int4_token"]))
 def test_hot_set_and_archive_partition_the_context(tiny_dir, n, budget, seed, kind):
     """Per layer and KV head: the hot set and the archive are disjoint and together every context
     token the layer computed; the archive's bytes are its planes' and positions'."""
@@ -99,12 +99,12 @@ def test_hot_set_and_archive_partition_the_context(tiny_dir, n, budget, seed, ki
 def test_archive_kinds_shrink_and_stay_close(model):
     ids = _ids(100, 4)
     sizes, tiles = {}, {}
-    for kind in ("float", "bf16", "int8", "int4"):
+    for kind in ("float", "bf16", "int8", "int4", "int4_token"):
         state = _state(model, ids, methods.get("keydiff", kv_budget=10), archive=kind)
         layer = next(iter(state.archive.layers.values()))
         sizes[kind], tiles[kind] = state.archive.nbytes(), layer.tile(0, layer.size, "k")
-    assert sizes["float"] > sizes["bf16"] > sizes["int8"] > sizes["int4"]
-    for kind, bound in (("bf16", 0.02), ("int8", 0.02), ("int4", 0.15)):  # relative to the keys' spread
+    assert sizes["float"] > sizes["bf16"] > sizes["int8"] > max(sizes["int4"], sizes["int4_token"])
+    for kind, bound in (("bf16", 0.02), ("int8", 0.02), ("int4", 0.15), ("int4_token", 0.15)):  # of the keys' spread
         err = (tiles[kind] - tiles["float"]).abs().max() / tiles["float"].abs().max()
         assert err < bound, (kind, err)
 
@@ -215,3 +215,75 @@ def test_recall_past_the_pivot_holds_only_the_skeleton(tiny_dir):
             assert archived | hot <= skeleton and len(archived | hot) == len(skeleton)
         else:
             assert archived | hot == set(range(len(ids)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(A=st.integers(0, 100), heads=st.integers(1, 3), D=st.sampled_from([2, 16, 64]), seed=st.integers(0, 99),
+       outlier=st.floats(1, 1000))
+def test_int4_channel_keys_are_within_half_a_step_of_their_channel(A, heads, D, seed, outlier):
+    """Keys per channel over blocks of 32 entries: every value within half its channel's step of
+    the original (no code clipped, whatever a channel's scale next to the others), the tables one
+    row per block, and the same bytes per entry as per-entry int4 when 32 divides D and A."""
+    from structkv.ops.kv_quant import CHANNEL_BLOCK, dequantize_int4_channels, quantize_int4_channels
+
+    x = torch.randn(A, 2, heads, D, generator=torch.Generator().manual_seed(seed))
+    x[..., 0] *= outlier  # one outlier channel, as keys have
+    codes, scale, lo = quantize_int4_channels(x)
+    blocks = -(-A // CHANNEL_BLOCK)
+    assert codes.shape == (A, 2, heads, D // 2) and scale.shape == lo.shape == (blocks, 2, heads, D)
+    rows = torch.arange(A) // CHANNEL_BLOCK
+    back = dequantize_int4_channels(codes, scale[rows], lo[rows])
+    step = scale[rows].float()
+    assert bool(((back - x).abs() <= step / 2 + 1e-6 * (1 + x.abs())).all())
+    if A % CHANNEL_BLOCK == 0 and D % 32 == 0:
+        from structkv.ops.kv_quant import quantize_kv
+
+        per_entry = sum(t.numel() * t.element_size() for t in quantize_kv(x, "int4"))
+        assert sum(t.numel() * t.element_size() for t in (codes, scale, lo)) == per_entry
+
+
+def test_int4_archive_tiles_and_takes_agree_and_pad_rows_with_their_own_entries(tiny_dir):
+    """Two rows of different lengths (the shorter padded): an entry read in a tile and read alone
+    are the same, every archived key is within half its channel's step of the float archive's, and
+    a tile that does not start at a block is refused."""
+    from structkv.ops.kv_quant import CHANNEL_BLOCK
+
+    model = structkv.load(tiny_dir("llama"))
+    method = methods.get("snapkv", kv_budget=10, window=4)
+    tokens, positions, _ = encode_batch(model, [_ids(90, 1), _ids(61, 2)])
+    exact = compress(model, tokens, positions, method, room=8, archive="float").archive
+    packed = compress(model, tokens, positions, method, room=8, archive="int4").archive
+    for i, layer in packed.layers.items():
+        assert torch.equal(layer.pos, exact.layers[i].pos)
+        keys = layer.tile(0, layer.size, "k")  # (B, Hkv, A, D)
+        B, H, A, D = keys.shape
+        index = torch.randint(0, A, (B, H, 7), generator=torch.Generator().manual_seed(i))
+        k, v = layer.take(index)
+        torch.testing.assert_close(k, keys.gather(2, index[..., None].expand(B, H, 7, D)), rtol=0, atol=0)
+        torch.testing.assert_close(v, layer.tile(0, A, "v").gather(2, index[..., None].expand(B, H, 7, D)),
+                                   rtol=0, atol=0)
+        step = layer.planes[1].float().repeat_interleave(CHANNEL_BLOCK, 0)[:A].permute(1, 2, 0, 3)
+        real = (layer.positions() >= 0)[..., None]  # (B, Hkv, A, 1)
+        err = (keys - exact.layers[i].tile(0, A, "k")).abs()
+        assert bool((err <= step / 2 + 1e-5).logical_or(~real).all())
+        assert torch.equal(layer.tile(CHANNEL_BLOCK, A, "k"), keys[:, :, CHANNEL_BLOCK:])
+        with pytest.raises(ValueError, match="multiple of 32"):
+            layer.tile(5, A, "k")
+
+
+def test_an_archive_file_of_the_previous_format_is_refused(model, tmp_path):
+    """Format 1 stored int4 keys per entry: read as per-channel codes they would be wrong entries."""
+    from structkv.models.archive import write_file
+
+    state = structkv.prefill(model, _ids(80, 3), methods.get("keydiff", kv_budget=12), archive="int4")
+    write_file(tmp_path / "old.safetensors", state.archive.tensors(), {"format": "structkv-archive/1",
+                                                                        **state.archive.meta()})
+    with pytest.raises(ArchiveError, match="compress the context again"):
+        open_archive(tmp_path / "old.safetensors")
+
+
+def test_the_cli_names_every_archive_kind():
+    from structkv.cli import ARCHIVE_KINDS
+    from structkv.models.archive import KINDS
+
+    assert ARCHIVE_KINDS == KINDS

@@ -4,14 +4,20 @@ Eviction decided before the question is a guess; the archive keeps what the gues
 question can recall it at ask time (`structkv.modules.recall`). Per archived layer (a layer whose
 entries the method selected: the full-attention layers of a compressing method), the entries
 every (row, KV head) did not keep, in `kind`:
-- "int4" / "int8": the codes and per-entry tables of `structkv.ops.kv_quant` (the kit's own
-  bit-packing: int4 keeps two codes a byte, a scale and minimum per 32 dimensions);
+- "int4": keys as int4 codes with a scale and minimum per channel over blocks of 32 entries
+  (`quantize_int4_channels`, KIVI's key layout: keys' outlier channels are shared by every token),
+  values as the per-entry int4 of `structkv.ops.kv_quant` (a scale and minimum per 32 dimensions);
+  both keep two codes a byte and cost the same bytes per entry;
+- "int4_token": keys per entry too (format 1's int4, kept to compare: its rounding of the small
+  key channels cost Gemma 3 270M 12 points of fact lookup, docs/results/archive_fidelity);
+- "int8": the codes and per-entry scale of `structkv.ops.kv_quant`;
 - "bf16": 16-bit floats; "float": the model's own dtype (exact: a reference, not a saving).
 
 Layout: entry-major, every plane (A, B, Hkv, last) and positions (A, B, Hkv) int32 (-1: no
 entry; rows and heads of one layer evict the same number of entries, so only rows shorter than
-the longest pad). Entry-major so that a tile of entries is one contiguous block, in memory and in
-a file, and `tile(s, e)` reads only that block.
+the longest pad, with copies of their last entry). Per-channel tables are (ceil(A / 32), B, Hkv,
+D): one per block of 32 entries. Entry-major so that a tile of entries is one contiguous block, in
+memory and in a file, and `tile(s, e)` (s a multiple of 32) reads only that block.
 
 In a file (`save` / `open`), the archive is a safetensors file read through a memory map: a tile
 is read from the page cache when a question needs it, so a server can keep many archives on disk
@@ -28,14 +34,14 @@ from pathlib import Path
 
 import torch
 
-from ..ops.kv_quant import dequantize_kv, quantize_kv
+from ..ops.kv_quant import CHANNEL_BLOCK, dequantize_int4_channels, dequantize_kv, quantize_int4_channels, quantize_kv
 from ..util.files import write_atomic
 
-KINDS = ("int4", "int8", "bf16", "float")
-FORMAT = "structkv-archive/1"
+KINDS = ("int4", "int4_token", "int8", "bf16", "float")
+FORMAT = "structkv-archive/2"  # 2: "int4" keys per channel
 DTYPES = {"U8": torch.uint8, "I8": torch.int8, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
           "F64": torch.float64, "I32": torch.int32, "I64": torch.int64}  # safetensors' names
-PLANES = {"int4": 3, "int8": 2, "bf16": 1, "float": 1}  # planes per side (codes, then tables)
+PLANES = {"int4": 3, "int4_token": 3, "int8": 2, "bf16": 1, "float": 1}  # planes per side (codes, then tables)
 
 
 class ArchiveError(ValueError):
@@ -44,23 +50,55 @@ class ArchiveError(ValueError):
 
 def check_kind(kind) -> None:
     if kind is not None and kind not in KINDS:
-        raise ValueError(f"archive must be None (no archive), 'int4', 'int8', 'bf16' or 'float' (the model's dtype, "
-                         f"exact), got {kind!r}")
+        raise ValueError(f"archive must be None (no archive), 'int4', 'int4_token' (int4 keys per entry), 'int8', "
+                         f"'bf16' or 'float' (the model's dtype, exact), got {kind!r}")
 
 
-def encode(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, ...]:
-    """x (..., D) float -> the planes of `kind`."""
-    return (x,) if kind == "float" else quantize_kv(x, kind)
+def channels(kind: str, side: str) -> bool:
+    """Whether `side`'s tables are per channel over blocks of entries (an int4 archive's keys)."""
+    return kind == "int4" and side == "k"
 
 
-def decode(planes, kind: str, dtype=torch.float32) -> torch.Tensor:
-    return planes[0].to(dtype) if kind == "float" else dequantize_kv(planes, kind, dtype)
+def encode(x: torch.Tensor, kind: str, side: str) -> tuple[torch.Tensor, ...]:
+    """x (A, ..., D) float, entries first -> the planes of `kind` for `side` ("k" or "v")."""
+    if kind == "float":
+        return (x,)
+    if channels(kind, side):
+        return quantize_int4_channels(x)
+    return quantize_kv(x, "int4" if kind == "int4_token" else kind)
+
+
+def decode_run(planes: list[torch.Tensor], kind: str, side: str, dtype=torch.float32) -> torch.Tensor:
+    """Entry-major planes of a run of entries that starts at a block (codes (t, ...), per-channel
+    tables one row per block) -> x (t, ..., D). Each block's tables broadcast over its entries
+    (never repeated per entry in memory)."""
+    if not channels(kind, side):
+        return decode(planes, kind, side, dtype)
+    codes, scale, lo = planes
+    t, full = codes.shape[0], codes.shape[0] // CHANNEL_BLOCK * CHANNEL_BLOCK
+    out = torch.empty(t, *scale.shape[1:], dtype=dtype, device=codes.device)  # (t, ..., D)
+    if full:
+        blocks = codes[:full].unflatten(0, (-1, CHANNEL_BLOCK))  # (t/32, 32, ..., D/2)
+        n = full // CHANNEL_BLOCK
+        out[:full] = dequantize_int4_channels(blocks, scale[:n, None], lo[:n, None], dtype).flatten(0, 1)
+    if t > full:  # the last, partial block
+        out[full:] = dequantize_int4_channels(codes[full:], scale[-1:], lo[-1:], dtype)
+    return out
+
+
+def decode(planes, kind: str, side: str, dtype=torch.float32) -> torch.Tensor:
+    """Planes with one table row per entry (per-channel tables gathered per entry) -> x (..., D)."""
+    if kind == "float":
+        return planes[0].to(dtype)
+    if channels(kind, side):
+        return dequantize_int4_channels(*planes, dtype)
+    return dequantize_kv(planes, "int4" if kind == "int4_token" else kind, dtype)
 
 
 class ArchiveLayer:
-    """One layer's evicted entries: `planes` (k's planes then v's, each (A, B, Hkv, last)) and
-    `pos` (A, B, Hkv). `tile(s, e)` gives entries s..e-1 as floats (B, Hkv, t, D) and their
-    positions (B, Hkv, t); `take(index)` gathers single entries."""
+    """One layer's evicted entries: `planes` (k's planes then v's, each (A, B, Hkv, last); an int4
+    archive's key tables (ceil(A / 32), B, Hkv, D)) and `pos` (A, B, Hkv). `tile(s, e)` gives
+    entries s..e-1 as floats (B, Hkv, t, D); `take(index)` gathers single entries."""
 
     def __init__(self, kind: str, planes: list[torch.Tensor], pos: torch.Tensor, check=None):
         self.kind, self.planes, self.pos = kind, planes, pos
@@ -81,13 +119,24 @@ class ArchiveLayer:
         return self.pos.permute(1, 2, 0).long()
 
     def tile(self, s: int, e: int, side: str, dtype=torch.float32) -> torch.Tensor:
-        """Keys (`side` "k") or values ("v") of entries s..e-1 as floats (B, Hkv, t, D)."""
+        """Keys (`side` "k") or values ("v") of entries s..e-1 as floats (B, Hkv, t, D); s a
+        multiple of 32 (a block's tables are read whole)."""
         self._ready()
-        return decode([p[s:e].permute(1, 2, 0, 3) for p in self._side(side)], self.kind, dtype)
+        return decode_run(self._read(s, e, side), self.kind, side, dtype).permute(1, 2, 0, 3)
 
     def tile_bytes(self, s: int, e: int, side: str) -> int:
         """Bytes `tile(s, e, side)` reads."""
-        return sum(p[s:e].numel() * p.element_size() for p in self._side(side))
+        return sum(p.numel() * p.element_size() for p in self._read(s, e, side))
+
+    def _read(self, s: int, e: int, side: str) -> list[torch.Tensor]:
+        """The planes' rows that hold entries s..e-1 (tables per channel: their blocks)."""
+        planes = self._side(side)
+        if not channels(self.kind, side):
+            return [p[s:e] for p in planes]
+        if s % CHANNEL_BLOCK:
+            raise ValueError(f"an int4 archive's keys are read in blocks of {CHANNEL_BLOCK} entries: a tile must start "
+                             f"at a multiple of {CHANNEL_BLOCK}, got {s}")
+        return [planes[0][s:e]] + [p[s // CHANNEL_BLOCK:-(-e // CHANNEL_BLOCK)] for p in planes[1:]]
 
     def _side(self, side: str) -> list[torch.Tensor]:
         half = len(self.planes) // 2
@@ -99,9 +148,13 @@ class ArchiveLayer:
         B, H, K = index.shape
         rows = torch.arange(B, device=index.device).view(B, 1, 1)
         heads = torch.arange(H, device=index.device).view(1, H, 1)
-        half = len(self.planes) // 2
-        picked = [p[index, rows, heads] for p in self.planes]  # (B, Hkv, K, last) each
-        return decode(picked[:half], self.kind, dtype), decode(picked[half:], self.kind, dtype)
+        out = []
+        for side in ("k", "v"):
+            planes = self._side(side)
+            blocks = index // CHANNEL_BLOCK if channels(self.kind, side) else index  # the entry's table row
+            picked = [planes[0][index, rows, heads]] + [p[blocks, rows, heads] for p in planes[1:]]  # (B, Hkv, K, last)
+            out.append(decode(picked, self.kind, side, dtype))
+        return out[0], out[1]
 
     def nbytes(self) -> int:
         """Bytes of the entries' planes and positions (padding included)."""
@@ -168,12 +221,17 @@ def pack(kind: str, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k
     keep = torch.zeros(B, H, n + 1, dtype=torch.bool, device=k.device)
     keep.scatter_(2, torch.where(kept >= 0, kept, torch.full_like(kept, n)), True)  # n: a discard slot
     evicted = valid & ~keep[..., :n]  # (B, Hkv, n)
-    A = int(evicted.sum(-1).max()) if evicted.numel() else 0
+    count = evicted.sum(-1, keepdim=True)  # (B, Hkv, 1)
+    A = int(count.max()) if evicted.numel() else 0
     order = evicted.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :A]  # (B, Hkv, A) evicted first
     present = evicted.gather(2, order)  # (B, Hkv, A)
     pos = torch.where(present, positions[:, None].expand(B, H, n).gather(2, order), torch.full_like(order, -1))
-    sides = [encode(x.gather(2, order[..., None].expand(B, H, A, x.shape[-1])), kind) for x in (k, v)]
-    planes = [p.permute(2, 0, 1, 3).contiguous() for side in sides for p in side]  # (A, B, Hkv, last)
+    last = torch.minimum(torch.arange(A, device=k.device), (count - 1).clamp_min(0))  # (B, Hkv, A)
+    order = order.gather(2, last)  # padding repeats the last evicted entry: no foreign key widens a block's range
+    planes = []
+    for x, side in ((k, "k"), (v, "v")):
+        picked = x.gather(2, order[..., None].expand(B, H, A, x.shape[-1])).permute(2, 0, 1, 3)  # (A, B, Hkv, D)
+        planes += [p.contiguous() for p in encode(picked, kind, side)]
     return ArchiveLayer(kind, planes, pos.permute(2, 0, 1).to(torch.int32).contiguous())
 
 
@@ -196,7 +254,8 @@ def read_file(path: Path, fmt: str, what: str) -> tuple[dict, dict[str, torch.Te
         with safe_open(str(path), "pt") as f:  # validates the header against the file's size
             meta, names = f.metadata() or {}, list(f.keys())
         if meta.get("format") != fmt:
-            raise ArchiveError(f"{path} is not a structkv {what} ({meta.get('format')!r}, expected {fmt!r})")
+            raise ArchiveError(f"{path} is not a structkv {what} of this version ({meta.get('format')!r}, expected "
+                               f"{fmt!r}); delete it and compress the context again")
         json.loads(meta["crc32"])
         return meta, _mapped(path, names)
     except (SafetensorError, KeyError, ValueError, OSError, json.JSONDecodeError) as e:

@@ -21,7 +21,7 @@ from ..models.archive import ArchiveError, crc_check, from_tensors, read_file, w
 from ..models.kv_cache import KVCache, LayerKVCache
 from .stats import PrefillStats
 
-STATE_FORMAT = "structkv-state/1"
+STATE_FORMAT = "structkv-state/2"  # 2: its archive's int4 keys per channel
 
 
 def save_state(state, path) -> None:
