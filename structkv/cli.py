@@ -639,10 +639,18 @@ def main(argv=None) -> int:
         # loads OpenMP, so set before the command imports it; an explicit setting wins.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
-        return args.fn(args)
+        code = args.fn(args)
     except (ValueError, TypeError, OSError, ImportError) as e:  # OSError: missing files, permissions, full disk
         print(f"structkv: error: {e}", file=sys.stderr)
-        return 2
+        code = 2
+    if getattr(args, "tp", None) and "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            from structkv.distributed.group import exit_process
+
+            exit_process(code)  # does not return
+    return code
 
 
 if __name__ == "__main__":

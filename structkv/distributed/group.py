@@ -51,6 +51,21 @@ def _leave() -> None:
             dist.destroy_process_group()
 
 
+def exit_process(code: int) -> None:
+    """End a command-line process that ran tensor-parallel: flush its output, leave the group
+    together, then exit without the interpreter's teardown. Leaving at `atexit` was not enough on
+    a loaded machine: gloo's threads, destroyed with the C++ statics after the group was left,
+    still aborted a rank now and then ("terminate called without an active exception", SIGABRT,
+    after its answer was printed); `os._exit` skips those destructors. For the CLI only: a library
+    caller keeps its process."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _leave()
+    os._exit(code)
+
+
 def init(tp: int, *, timeout_s: float | None = None) -> TensorParallel:
     """Join (or start, from torchrun's environment) the default process group of `tp` ranks.
 
