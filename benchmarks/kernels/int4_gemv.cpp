@@ -17,6 +17,8 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "over_outputs.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -25,19 +27,14 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 
-inline __m512 bf16_broadcast(const at::BFloat16 *p) {  // one bf16 to 16 float lanes
-  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t *>(p)[0]) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return _mm512_set1_ps(f);
-}
-
 inline float bf16_float(const at::BFloat16 *p) {
   uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t *>(p)[0]) << 16;
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
 }
+
+inline __m512 bf16_broadcast(const at::BFloat16 *p) { return _mm512_set1_ps(bf16_float(p)); }  // to 16 lanes
 
 void float_rows(const float *x, const uint8_t *codes, const at::BFloat16 *scale, const at::BFloat16 *lo, float *y,
                 int64_t K, int64_t n0, int64_t n1) {
@@ -128,17 +125,6 @@ void check(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scale
               kGroup * groups_multiple);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "int4_gemv: contiguous uint8 codes");
   TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.is_contiguous(), "int4_gemv: contiguous bf16 tables");
-}
-
-template <typename F>
-void over_outputs(int64_t N, F f) {  // the output rows split over torch's thread count (OpenMP)
-  const int threads = at::get_num_threads();
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), T = omp_get_num_threads();
-    const int64_t chunk = (N + T - 1) / T, n0 = t * chunk, n1 = std::min(N, n0 + chunk);
-    if (n0 < n1) f(n0, n1);
-  }
 }
 
 at::Tensor int4_gemv(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scale, const at::Tensor &lo) {

@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "over_outputs.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -63,17 +65,6 @@ void check(const at::Tensor &x, const at::Tensor &codes, int64_t multiple) {
   TORCH_CHECK(x.size(0) <= kMaxRows, "int8_gemv: at most ", kMaxRows, " rows");
   TORCH_CHECK(x.size(1) % multiple == 0, "int8_gemv: K must be a multiple of ", multiple);
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous(), "int8_gemv: contiguous int8 codes");
-}
-
-template <typename F>
-void over_outputs(int64_t N, F f) {  // the output rows split over torch's thread count (OpenMP)
-  const int threads = at::get_num_threads();
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), T = omp_get_num_threads();
-    const int64_t chunk = (N + T - 1) / T, n0 = t * chunk, n1 = std::min(N, n0 + chunk);
-    if (n0 < n1) f(n0, n1);
-  }
 }
 
 at::Tensor int8_gemv(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scales) {

@@ -65,7 +65,7 @@ def encode(x: torch.Tensor, kind: str, side: str) -> tuple[torch.Tensor, ...]:
         return (x,)
     if channels(kind, side):
         return quantize_int4_channels(x)
-    return quantize_kv(x, "int4" if kind == "int4_token" else kind)
+    return quantize_kv(x, _per_entry(kind))
 
 
 def decode_run(planes: list[torch.Tensor], kind: str, side: str, dtype=torch.float32) -> torch.Tensor:
@@ -92,7 +92,12 @@ def decode(planes, kind: str, side: str, dtype=torch.float32) -> torch.Tensor:
         return planes[0].to(dtype)
     if channels(kind, side):
         return dequantize_int4_channels(*planes, dtype)
-    return dequantize_kv(planes, "int4" if kind == "int4_token" else kind, dtype)
+    return dequantize_kv(planes, _per_entry(kind), dtype)
+
+
+def _per_entry(kind: str) -> str:
+    """The `structkv.ops.kv_quant` kind of a side stored per entry ("int4_token" is its "int4")."""
+    return "int4" if kind == "int4_token" else kind
 
 
 class ArchiveLayer:

@@ -86,12 +86,19 @@ def quantize_kv(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, ...]:
         scale = _scale(x.abs().amax(-1, keepdim=True) / 127)  # (..., 1)
         return torch.round(x / scale.float().clamp_min(tiny)).clamp(-127, 127).to(torch.int8), scale
     D = x.shape[-1]
-    g = x.unflatten(-1, (D // int4_group(D), int4_group(D)))  # (..., G, group)
-    lo = g.amin(-1)  # (..., G), float32: exact
-    scale = _scale((g.amax(-1) - lo) / 15)
-    codes = torch.round((g - lo[..., None]) / scale.float().clamp_min(tiny)[..., None])
-    codes = codes.clamp(0, 15).to(torch.uint8).flatten(-2)  # (..., D)
-    return _pack4(codes), scale, lo
+    codes, scale, lo = _int4_grid(x.unflatten(-1, (D // int4_group(D), int4_group(D))), -1)  # over (..., G, group)
+    return _pack4(codes.flatten(-2)), scale, lo  # codes (..., D) -> (..., D/2)
+
+
+def _int4_grid(g: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes of float32 `g` over dimension `dim` (a group of dimensions, or a block
+    of entries): codes (g's shape, uint8 in [0, 15]), the bf16 scale rounded up and the exact
+    float32 minimum (g's shape without `dim`)."""
+    lo = g.amin(dim)
+    scale = _scale((g.amax(dim) - lo) / 15)
+    tiny = torch.finfo(torch.float32).tiny
+    codes = torch.round((g - lo.unsqueeze(dim)) / scale.float().clamp_min(tiny).unsqueeze(dim))
+    return codes.clamp(0, 15).to(torch.uint8), scale, lo
 
 
 def _pack4(codes: torch.Tensor) -> torch.Tensor:
@@ -118,11 +125,7 @@ def quantize_int4_channels(x: torch.Tensor, block: int = CHANNEL_BLOCK) -> tuple
     blocks = -(-A // block)
     x = x.float()
     padded = torch.cat([x, x[-1:].expand(blocks * block - A, *x.shape[1:])]) if A else x
-    g = padded.reshape(blocks, block, *x.shape[1:])  # (blocks, block, ..., D)
-    lo = g.amin(1)  # (blocks, ..., D) float32: exact
-    scale = _scale((g.amax(1) - lo) / 15)
-    tiny = torch.finfo(torch.float32).tiny
-    codes = torch.round((g - lo[:, None]) / scale.float().clamp_min(tiny)[:, None]).clamp(0, 15).to(torch.uint8)
+    codes, scale, lo = _int4_grid(padded.reshape(blocks, block, *x.shape[1:]), 1)  # over (blocks, block, ..., D)
     return _pack4(codes.flatten(0, 1)[:A]), scale, lo
 
 
