@@ -13,7 +13,9 @@ by inductor: the compiled decode step's path), `int4_packed` (`_weight_int4pack_
 `int4_fused` (a candidate: int4 codes in a plain layout, `Int4Rows`, dequantized in registers by an
 inductor reduction, as `int8_fused` does for int8), `int4_cpp` / `int4_vnni` (the same layout in
 `benchmarks/kernels/int4_gemv.cpp`: widened to float, or VPDPBUSD on x quantized per 32, one row at
-a time), `int4_tiled` (VPDPBUSD vectorised across 16 output rows, `Int4Tiles`), and
+a time; AVX-512 only), `int4_tiled` / `int8_tiled` (the library's `structkv::int4_tiled_linear`,
+`structkv::int8_tiled_linear`: x quantized per 32, integer products vectorised across 16 output
+rows, AVX-512 VNNI or AVX2), and
 two C++ candidates built here with g++ (`benchmarks/kernels/int8_gemv.cpp`, AVX-512): `int8_cpp`
 (codes widened to float in registers) and `int8_vnni` (x quantized per 64 values, VPDPBUSD).
 The weights are random (the bandwidth does not depend on the values); each candidate's largest
@@ -51,7 +53,7 @@ def build(kind: str, weights: list[torch.Tensor], quantized: dict):
         return [w.to(torch.bfloat16) for w in weights], lambda x, w: F.linear(x.to(torch.bfloat16), w)
     bits = "int8" if kind.startswith("int8") else "int4"
     if bits not in quantized:
-        quantized[bits] = [QuantizedLinear.from_weight(w, bits) for w in weights]
+        quantized[bits] = [QuantizedLinear.from_weight(w, bits, layout="packed") for w in weights]  # PyTorch's
     mods = quantized[bits]
     if kind == "int8_packed":
         return mods, lambda x, m: torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), m.codes, m.scales)
@@ -60,9 +62,12 @@ def build(kind: str, weights: list[torch.Tensor], quantized: dict):
     if kind in ("int8_cpp", "int8_vnni"):
         op = getattr(torch.ops.structkv_bench, "int8_gemv" if kind == "int8_cpp" else "int8_vnni")
         return mods, lambda x, m: op(x, m.codes, m.scales)
-    if kind == "int4_tiled":  # `Int4Tiles`' layout, benchmarks/kernels/int4_gemv.cpp
-        return ([Int4Tiles(m.dequantize()) for m in mods],
-                lambda x, m: torch.ops.structkv_bench4.int4_tiled(x, m.codes, m.scale, m.lo))
+    if kind == "int4_tiled":  # the library's kernels (structkv/ops/csrc/tiled_linear.cpp), the same codes
+        return ([QuantizedLinear.from_weight(m.dequantize(), "int4", layout="tiled") for m in mods],
+                lambda x, m: torch.ops.structkv.int4_tiled_linear(x, m.tiles, m.tile_scale, m.tile_min, 128))
+    if kind == "int8_tiled":
+        return ([QuantizedLinear.from_weight(m.dequantize(), "int8", layout="tiled") for m in mods],
+                lambda x, m: torch.ops.structkv.int8_tiled_linear(x, m.tiles, m.scales, 128))
     if kind in ("int4_cpp", "int4_vnni"):  # `Int4Rows`' layout read by benchmarks/kernels/int4_gemv.cpp
         op = getattr(torch.ops.structkv_bench4, "int4_gemv" if kind == "int4_cpp" else "int4_vnni")
         return ([Int4Rows(m.dequantize()) for m in mods],
@@ -98,31 +103,6 @@ class Int4Rows:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.lo))
-
-
-class Int4Tiles(Int4Rows):
-    """The same codes and tables as `Int4Rows`, tiled for a kernel vectorised across output rows:
-    codes (N/16, K/8, 64), byte 4i + j of a step holding row i's column j (low nibble) and 4 + j
-    (high); tables (N/16, K/32, 16)."""
-
-    def __init__(self, w: torch.Tensor):
-        super().__init__(w)
-        N, K = w.shape
-        c = self.codes.view(N, K // 32, 16)
-        full = torch.cat([c & 15, c >> 4], -1).view(N // 16, 16, K // 8, 2, 4)  # (tiles, row, step, half, j)
-        full = full.permute(0, 2, 1, 4, 3)  # (tiles, step, row, j, half)
-        self.codes = (full[..., 0] | (full[..., 1] << 4)).reshape(N // 16, K // 8, 64).contiguous()
-        self.scale, self.lo = (t.view(N // 16, 16, K // 32).transpose(1, 2).contiguous() for t in (self.scale, self.lo))
-        self.shape = (N, K)
-
-    def dequantize(self) -> torch.Tensor:
-        N, K = self.shape
-        c = self.codes.view(N // 16, K // 8, 16, 4)
-        full = torch.stack([c & 15, c >> 4], -1)  # (tiles, step, row, j, half)
-        codes = full.permute(0, 2, 1, 4, 3).reshape(N, K).float()  # column 8 * step + 4 * half + j
-        scale = self.scale.transpose(1, 2).reshape(N, K // 32).float().repeat_interleave(32, 1)
-        lo = self.lo.transpose(1, 2).reshape(N, K // 32).float().repeat_interleave(32, 1)
-        return codes * scale + lo
 
 
 def int4_row_fused(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
@@ -211,7 +191,7 @@ def main() -> None:
     kinds = a.kinds.split(",")
     if {"int8_cpp", "int8_vnni"} & set(kinds):
         load_cpp("int8_gemv")
-    if {"int4_cpp", "int4_vnni", "int4_tiled"} & set(kinds):
+    if {"int4_cpp", "int4_vnni"} & set(kinds):
         load_cpp("int4_gemv")
     quantized = {}
     built = {k: build(k, weights, quantized) for k in kinds}

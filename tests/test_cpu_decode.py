@@ -24,7 +24,7 @@ def floats(p: list[torch.Tensor], kind: str) -> torch.Tensor:
 
 
 @given(st.sampled_from(KINDS), st.integers(1, 2), st.integers(1, 3), st.integers(1, 5),
-       st.sampled_from([16, 32, 64, 96, 256]), st.integers(1, 700), st.integers(0, 40), st.booleans(),
+       st.sampled_from([16, 32, 64, 96, 256, 512]), st.integers(1, 700), st.integers(0, 40), st.booleans(),
        st.integers(1, 2), st.integers(0, 2**16))
 def test_kernel_equals_attention_over_the_same_entries(kind, B, Hkv, G, D, T, spare, per_head, threads, seed):
     """Output within float rounding of SDPA over the entries the kernel reads, for caches that

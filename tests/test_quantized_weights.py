@@ -20,7 +20,7 @@ def bf16_product(x, w):
 def test_product_equals_the_dequantized_weight(kind, lead):
     torch.manual_seed(0)
     w, bias = torch.randn(48, 64), torch.randn(48)
-    lin = QuantizedLinear.from_weight(w, kind, bias)
+    lin = QuantizedLinear.from_weight(w, kind, bias, layout="packed")  # tiled: tests/test_tiled_linear.py
     x = torch.randn(*lead, 64)
     out = lin(x)
     assert out.shape == (*lead, 48) and out.dtype == torch.float32
@@ -138,8 +138,8 @@ def test_ops_registration_and_both_paths(rows):
     torch.manual_seed(3)
     w = torch.randn(32, 64)
     x = torch.randn(rows, 64).to(torch.bfloat16)
-    q8 = QuantizedLinear.from_weight(w, "int8")
-    q4 = QuantizedLinear.from_weight(w, "int4")
+    q8 = QuantizedLinear.from_weight(w, "int8", layout="packed")
+    q4 = QuantizedLinear.from_weight(w, "int4", layout="packed")
     torch.library.opcheck(int8_linear, (x, q8.codes, q8.scales))
     torch.library.opcheck(int4_linear, (x, q4.packed, q4.scale_zero, INT4_GROUP))
     for lin, out in ((q8, int8_linear(x, q8.codes, q8.scales)), (q4, int4_linear(x, q4.packed, q4.scale_zero,
@@ -175,7 +175,7 @@ def test_compiled_one_row_int8_reads_the_codes_in_float32(head):
     """A compiled decode step's one int8 row runs `int8_row_fused` (the LM head: `int8_head_logits`,
     a graph of its own): the float32 product with the dequantized weight (no bf16 rounding of x)."""
     torch.manual_seed(4)
-    lin = QuantizedLinear.from_weight(torch.randn(40, 96), "int8", torch.randn(40), head=head)
+    lin = QuantizedLinear.from_weight(torch.randn(40, 96), "int8", torch.randn(40), head=head, layout="packed")
     x = torch.randn(1, 1, 96)
     step = torch.compile(lambda x: lin(x) * 2, fullgraph=True, dynamic=False)
     ref = (x.reshape(1, 96) @ lin.dequantize().t()).view(1, 1, 40) + lin.bias
@@ -191,7 +191,7 @@ def test_int4_weight_read_from_the_bytes_equals_the_kernel(N, K):
     from structkv.ops import quantized_linear as Q
 
     w = torch.randn(N, K)
-    lin = QuantizedLinear.from_weight(w, "int4")
+    lin = QuantizedLinear.from_weight(w, "int4", layout="packed")
     eye = torch.eye(K, dtype=torch.bfloat16)
     kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, lin.packed, INT4_GROUP, lin.scale_zero).t()  # (N, K)
     assert torch.equal(Q.int4_weight(lin.packed, lin.scale_zero, INT4_GROUP, K), kernel)

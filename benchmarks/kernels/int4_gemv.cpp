@@ -1,6 +1,6 @@
 // Candidate int4 matrix-vector kernels for issue 49, measured by benchmarks/projection_bandwidth.py
 // (`--kinds ...,int4_cpp,int4_vnni`), registered with the dispatcher like int8_gemv.cpp. Not part
-// of the library until one wins on a quiet machine.
+// of the library: the tiled kernel that won is structkv/ops/csrc/tiled_linear.cpp.
 //
 // The weight layout is the benchmark's `Int4Rows`: codes (N, K/2) uint8, per group of 32 columns
 // 16 bytes, byte j holding column j (low nibble) and j + 16 (high); scale and minimum (N, K/32)
@@ -83,41 +83,6 @@ void vnni_rows(const int8_t *xq, const float *xs, const float *xsum, const uint8
   }
 }
 
-inline __m512 bf16x16(const at::BFloat16 *p) {  // 16 bf16 to 16 float lanes
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// `Int4Tiles`' layout: 16 output rows a tile, 8 columns a step: codes (N/16, K/8, 64), byte 4i + j
-// holding row i's column j (low nibble) and column 4 + j (high); tables (N/16, K/32, 16) bf16.
-// One VPDPBUSD multiplies 16 rows x 4 columns of codes by the same 4 int8 x values (broadcast):
-// the outputs are vectorised across rows, so no horizontal sum per group or per row.
-void tiled_rows(const int8_t *xq, const float *xs, const float *xsum, const uint8_t *codes,
-                const at::BFloat16 *scale, const at::BFloat16 *lo, float *y, int64_t K, int64_t b0, int64_t b1) {
-  const int64_t G = K / kGroup, O = K / 8;
-  const __m512i mask = _mm512_set1_epi8(0x0F);
-  for (int64_t b = b0; b < b1; b++) {
-    const uint8_t *w = codes + b * O * 64;
-    __m512 out = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-      __m512i acc = _mm512_setzero_si512();
-      for (int64_t o = 4 * g; o < 4 * g + 4; o++) {
-        __m512i bytes = _mm512_loadu_si512(w + o * 64);
-        __m512i low = _mm512_and_si512(bytes, mask), high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask);
-        int32_t xa, xb;
-        std::memcpy(&xa, xq + 8 * o, 4);
-        std::memcpy(&xb, xq + 8 * o + 4, 4);
-        acc = _mm512_dpbusd_epi32(acc, low, _mm512_set1_epi32(xa));
-        acc = _mm512_dpbusd_epi32(acc, high, _mm512_set1_epi32(xb));
-      }
-      const at::BFloat16 *t = scale + (b * G + g) * 16, *m = lo + (b * G + g) * 16;
-      out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(bf16x16(t), _mm512_set1_ps(xs[g])), out);
-      out = _mm512_fmadd_ps(bf16x16(m), _mm512_set1_ps(xsum[g]), out);
-    }
-    _mm512_storeu_ps(y + b * 16, out);
-  }
-}
-
 void check(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scale, int64_t groups_multiple) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "int4_gemv: x (1, K)");
   TORCH_CHECK(codes.dim() == 2 && codes.size(1) * 2 == x.size(1), "int4_gemv: codes (N, K/2)");
@@ -177,34 +142,14 @@ at::Tensor int4_vnni(const at::Tensor &x, const at::Tensor &codes, const at::Ten
   return y;
 }
 
-at::Tensor int4_tiled(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scale, const at::Tensor &lo) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.size(1) % kGroup == 0, "int4_tiled: x (1, K), K % 32 == 0");
-  TORCH_CHECK(codes.dim() == 3 && codes.size(1) * 8 == x.size(1) && codes.size(2) == 64 && codes.is_contiguous() &&
-              codes.scalar_type() == at::kByte, "int4_tiled: contiguous uint8 codes (N/16, K/8, 64)");
-  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.is_contiguous() && lo.is_contiguous(),
-              "int4_tiled: contiguous bf16 tables (N/16, K/32, 16)");
-  auto xf = x.to(at::kFloat).contiguous();
-  const int64_t K = xf.size(1), tiles = codes.size(0);
-  auto xq = quantize(xf);
-  auto y = at::empty({1, tiles * 16}, xf.options());
-  over_outputs(tiles, [&](int64_t b0, int64_t b1) {
-    tiled_rows(xq.q.data_ptr<int8_t>(), xq.scale.data_ptr<float>(), xq.sum.data_ptr<float>(),
-               codes.data_ptr<uint8_t>(), scale.data_ptr<at::BFloat16>(), lo.data_ptr<at::BFloat16>(),
-               y.data_ptr<float>(), K, b0, b1);
-  });
-  return y;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(structkv_bench4, m) {
   m.def("int4_gemv(Tensor x, Tensor codes, Tensor scale, Tensor lo) -> Tensor");
   m.def("int4_vnni(Tensor x, Tensor codes, Tensor scale, Tensor lo) -> Tensor");
-  m.def("int4_tiled(Tensor x, Tensor codes, Tensor scale, Tensor lo) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(structkv_bench4, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("int4_vnni", &int4_vnni);
-  m.impl("int4_tiled", &int4_tiled);
 }

@@ -7,13 +7,18 @@ smaller weights, through PyTorch's packed CPU kernels (`structkv.ops.quantized_l
 prompt unpacks each weight to bf16 once and runs a GEMM, measured faster there):
 
 - "bf16": the weight in bfloat16 (2 bytes).
-- "int8": int8 codes with one scale per output row, `aten._weight_int8pack_mm` (1 byte); a
-  compiled decode step's one row instead runs a reduction inductor fuses (`int8_row_fused`).
-- "int4": 4-bit codes in groups of `INT4_GROUP` input columns with a scale and a zero point per
-  group, `aten._weight_int4pack_mm_for_cpu` (~0.56 bytes with the group's bf16 scale and zero).
+- "int8": int8 codes with one scale per output row (1 byte).
+- "int4": 4-bit codes in groups of `INT4_GROUP` input columns with a scale and a minimum per
+  group (0.625 bytes with the group's two 16-bit numbers).
 
-The packed kernels take bfloat16 activations (their float32 paths are a slow fallback: 20-30x
-slower, measured), so a product here rounds its input to bfloat16 and returns the model's dtype.
+Both run, on a CPU where structkv's kernels build with a vector path, `layout="tiled"`
+(`structkv.ops.tiled_linear`: x quantized per group of 32 to int8, integer products 16 output
+rows at a time, as llama.cpp's Q4 / Q8 kernels do; int4 tables in float16). Elsewhere, or with
+`layout="packed"`: PyTorch's `aten._weight_int8pack_mm` / `aten._weight_int4pack_mm_for_cpu`
+(bf16 tables), a compiled decode step's int8 row as a reduction inductor fuses (`int8_row_fused`).
+
+PyTorch's packed kernels take bfloat16 activations (their float32 paths are a slow fallback: 20-30x
+slower, measured), so a product there rounds its input to bfloat16 and returns the model's dtype.
 A GGUF file's blocks are dequantized at load and quantized again here: Q8_0 and Q4_0/Q4_1 blocks
 of 32 are not bit-exact in these forms (per-row int8 scales; bf16 group scales) and
 `docs/benchmarks.md` reports the measured loss instead (logit KL to float32, RULER).
@@ -24,13 +29,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import tiled_linear
 from ..ops.int8_head import int8_head_logits
-from ..ops.quantized_linear import int4_linear, int4_product, int4_weight, int8_linear, int8_product, int8_row_fused
+from ..ops.quantized_linear import (
+    DENSE_ROWS,
+    int4_linear,
+    int4_product,
+    int4_weight,
+    int8_linear,
+    int8_product,
+    int8_row_fused,
+)
 from ..util.compiling import forget_structure
 
 WEIGHTS = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP = 32  # GGUF's block size (Q4_0, Q4_1, Q5_0, Q8_0); the kernel takes 32, 64, 128 or 256
 INT4_TILES = 2  # inner K tiles of the CPU int4 packing
+LAYOUTS = ("tiled", "packed")  # int8 / int4 storage: structkv's tiled kernels or PyTorch's packing
 
 
 def check_weights(weights: str) -> str:
@@ -59,29 +74,47 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, kind: str, bias: torch.Tensor | None = None,
-                    reduce=None, head: bool = False) -> "QuantizedLinear":
-        """Quantize a float weight (N, K). "int4" on a shape the packing cannot take raises."""
+                    reduce=None, head: bool = False, layout: str | None = None) -> "QuantizedLinear":
+        """Quantize a float weight (N, K). "int4" on a shape the packing cannot take raises.
+        `layout` of int8 / int4: "tiled" (structkv's kernels, `structkv.ops.tiled_linear`) or
+        "packed" (PyTorch's packed kernels and inductor's int8 reduction); by default the tiled one
+        where its kernels built with a vector path and the shape tiles (`default_layout`)."""
         N, K = weight.shape
         mod = cls(kind, K, N, bias, reduce, head)
         w = weight.detach().float()
+        if kind not in ("bf16", "int8", "int4"):
+            raise ValueError(f"QuantizedLinear kinds are bf16, int8, int4, got {kind!r}")
         if kind == "bf16":
             mod.register_buffer("weight", w.to(torch.bfloat16))
-        elif kind == "int8":
+            return mod
+        if kind == "int4" and not int4_fits(N, K):
+            raise ValueError(f"int4 weights need out_features % 16 == 0 and in_features % {INT4_GROUP} == 0, "
+                             f"got ({N}, {K}); use weights='int8' for this model")
+        mod.layout = layout or default_layout(weight.device, N, K)
+        if mod.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        if mod.layout == "tiled" and not (tiled_linear.loaded() and tiled_linear.fits(N, K)):
+            why = tiled_linear.unavailable_reason() or "built"
+            raise ValueError(f"layout='tiled' needs structkv's tiled kernels ({why}) and a ({N}, {K}) weight with "
+                             "N % 16 == 0 and K % 32 == 0; use layout='packed'")
+        if kind == "int8":
             # the kernel's scale is bf16: round it up a hair so the largest weight still fits in 127 steps,
             # and round the codes against the scale it will use
             scales = ((w.abs().amax(1) / 127) * (1 + 2**-8)).clamp(min=1e-30).to(torch.bfloat16)  # (N,)
-            codes = torch.round(w / scales.float()[:, None]).clamp(-127, 127)
-            mod.register_buffer("codes", codes.to(torch.int8))
+            codes = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
             mod.register_buffer("scales", scales)
-        elif kind == "int4":
-            if not int4_fits(N, K):
-                raise ValueError(f"int4 weights need out_features % 16 == 0 and in_features % {INT4_GROUP} == 0, "
-                                 f"got ({N}, {K}); use weights='int8' for this model")
+            if mod.layout == "tiled":
+                mod.register_buffer("tiles", tiled_linear.pack_int8(codes))
+            else:
+                mod.register_buffer("codes", codes)
+        elif mod.layout == "tiled":
+            tiles = tiled_linear.pack_int4(*tiled_linear.quantize_int4(w))
+            for name, t in zip(("tiles", "tile_scale", "tile_min"), tiles):
+                mod.register_buffer(name, t)
+        else:
             codes, scale_zero = _int4_groups(w)
             mod.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INT4_TILES))
             mod.register_buffer("scale_zero", scale_zero)
-        else:
-            raise ValueError(f"QuantizedLinear kinds are bf16, int8, int4, got {kind!r}")
         return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,14 +126,20 @@ class QuantizedLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        """x (M, K) -> (M, N). One row (a decode step) compiled: int8 as a reduction inductor fuses
-        (`int8_row_fused`, faster than the packed kernel there, on float32 x), except the LM head, a
-        graph of its own (`int8_head_logits`: in the decode graph inductor fused the final norm into
-        its loop, SmolLM2 87 -> 62 tokens/s); int4 calls the packed kernel directly, so it sits in the
-        graph without the opaque op's Python call (~9 us, 7 per layer per token). Other row counts go
-        through the op, which picks packed or GEMM at run time: in a prefill compiled for any length,
-        a test of the count would be a guard on the length ("== 1" is not: dynamic sizes start at 2).
-        The packed kernels take bf16 x."""
+        """x (M, K) -> (M, N). The tiled layouts: one C++ op for every row count (it picks integer
+        rows or a GEMM itself), reached through the dispatcher without a Python layer, on the
+        model's float x. The packed ones: one row (a decode step) compiled: int8 as a reduction
+        inductor fuses (`int8_row_fused`, faster than the packed kernel there on an AVX-512 machine,
+        on float32 x), except the LM head, a graph of its own (`int8_head_logits`: in the decode
+        graph inductor fused the final norm into its loop, SmolLM2 87 -> 62 tokens/s); int4 calls
+        the packed kernel directly, so it sits in the graph without the opaque op's Python call (~9
+        us, 7 per layer per token). Other row counts go through the op, which picks packed or GEMM at
+        run time: in a prefill compiled for any length, a test of the count would be a guard on the
+        length ("== 1" is not: dynamic sizes start at 2). The packed kernels take bf16 x."""
+        if self.kind != "bf16" and self.layout == "tiled":
+            if self.kind == "int8":
+                return tiled_linear.int8_tiled_linear(x, self.tiles, self.scales, DENSE_ROWS)
+            return tiled_linear.int4_tiled_linear(x, self.tiles, self.tile_scale, self.tile_min, DENSE_ROWS)
         one = x.shape[0] == 1
         if self.kind == "int8" and one and torch.compiler.is_compiling():
             x = x.float()
@@ -118,6 +157,8 @@ class QuantizedLinear(nn.Module):
         """The float32 weight (N, K) these codes stand for, as the kernel computes with it (tests)."""
         if self.kind != "int4":
             return self.rows(torch.arange(self.out_features, device=next(self.buffers()).device))
+        if self.layout == "tiled":
+            return torch.ops.structkv.int4_tiled_weight(self.tiles, self.tile_scale, self.tile_min)
         return int4_weight(self.packed, self.scale_zero, INT4_GROUP, self.in_features).float()
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
@@ -126,14 +167,23 @@ class QuantizedLinear(nn.Module):
         if self.kind == "bf16":
             return self.weight[index].float()
         if self.kind == "int8":
-            return self.codes[index].float() * self.scales[index].float()[..., None]
+            codes = tiled_linear.int8_rows(self.tiles, index) if self.layout == "tiled" else self.codes[index]
+            return codes.float() * self.scales[index].float()[..., None]
         raise ValueError("int4 weights have no row lookup; the embedding uses an int8 copy")
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def extra_repr(self) -> str:
-        return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"
+        layout = f" ({self.layout})" if self.kind != "bf16" else ""
+        return f"{self.kind}{layout}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+def default_layout(device: torch.device, out_features: int, in_features: int) -> str:
+    """"tiled" on a CPU where structkv's tiled kernels built with a vector path and the shape
+    tiles, else "packed"."""
+    fast = device.type == "cpu" and tiled_linear.available()
+    return "tiled" if fast and tiled_linear.fits(out_features, in_features) else "packed"
 
 
 def _int4_groups(w: torch.Tensor):

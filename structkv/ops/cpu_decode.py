@@ -15,15 +15,12 @@ from __future__ import annotations
 import array
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from .building import build_library, find_compiler, kernels_disabled
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -31,48 +28,16 @@ KINDS = {"float32": 0, "bfloat16": 1, "bf16": 1, "int8": 2, "int4": 3}  # "bf16"
 MAX_G, MAX_D, VECTOR = 16, 512, 16  # the kernel's fixed limits (csrc: MAX_G, MAX_D, L)
 
 
-def _cpu_id() -> str:
-    """What -march=native compiles for: the CPU's model and flags (a cache folder shared by
-    machines of different CPUs must not hand one the other's build)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines)))
-
-
-def _compile_library(compiler: str) -> Path:
-    """The shared library for this source, flags, compiler and CPU, built once (atomically)."""
-    from ..util.fetch import cache_root
-    from ..util.files import write_atomic
-
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_id()]).encode()).hexdigest()
-    lib = cache_root() / "kernels" / f"decode_attention-{key[:16]}.so"
-    if lib.exists():
-        return lib
-    with tempfile.TemporaryDirectory() as tmp:
-        built = Path(tmp) / lib.name
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
-                              text=True, timeout=300)
-        if done.returncode:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
-        with open(built, "rb") as f:
-            write_atomic(f, lib)
-    return lib
-
-
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str]:
     """(the library, "") or (None, why not)."""
-    if os.environ.get("STRUCTKV_CPU_KERNELS", "1") == "0":
+    if kernels_disabled():
         return None, "STRUCTKV_CPU_KERNELS=0"
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    compiler = find_compiler("CC", ("cc", "gcc", "clang"))
     if compiler is None:
         return None, "no C compiler (cc, gcc or clang; or $CC) on PATH"
     try:
-        lib = ctypes.CDLL(str(_compile_library(compiler)))
+        lib = ctypes.CDLL(str(build_library(SOURCE, compiler, FLAGS, ["-lm"])))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, f"the CPU decode kernel could not be built: {e}"
     fn = lib.structkv_decode_attention

@@ -16,11 +16,15 @@
 #include <stdint.h>
 #include <string.h>
 
-#define BLOCK 32   /* keys per online-softmax block */
+#ifdef __AVX512F__
+#define L 16       /* floats per vector (GCC vector extensions): one AVX-512 register */
+#else
+#define L 8        /* one AVX2 register (a 16-float vector spilled there: 2-3x slower, measured) */
+#endif
+#define BLOCK (2 * L)  /* keys per online-softmax block: two vectors of scores */
 #define MAX_G 16   /* query rows per KV head */
-#define MAX_D 512  /* head dimension; a multiple of L */
+#define MAX_D 512  /* head dimension; a multiple of 16 (of L on every path) */
 #define MAX_ACC 16  /* value accumulators (vectors) held in registers */
-#define L 16       /* floats per vector (GCC vector extensions: AVX-512, two AVX2 or four NEON registers) */
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT8 = 2, KIND_INT4 = 3 };
 
@@ -50,8 +54,8 @@ static inline float hsum(vf x) {
     return s;
 }
 
-/* Lane j of the result: the sum of the lanes of t[j] (16 dot products' partial sums -> their 16
- * values in one vector). A tree of 15 shuffle-and-add steps where each step halves the lanes
+/* AVX-512: lane j of the result is the sum of the lanes of t[j] (16 dot products' partial sums ->
+ * their 16 values in one vector). A tree of 15 shuffle-and-add steps where each step halves the lanes
  * every key holds: ~3 operations a key instead of a 16-lane horizontal sum each. */
 #define HALVES(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
 #define LEVEL(a, b, lo, hi) (HALVES(a, b, lo) + HALVES(a, b, hi))
@@ -63,6 +67,7 @@ static inline float hsum(vf x) {
 #define W4_HI 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
 #define W2_LO 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
 #define W2_HI 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+#ifdef __AVX512F__
 static inline vf sum16(const vf *t) {
     vf u[8], w[4], x[2];
     for (int i = 0; i < 8; i++) u[i] = LEVEL(t[2 * i], t[2 * i + 1], W16_LO, W16_HI);
@@ -70,6 +75,7 @@ static inline vf sum16(const vf *t) {
     for (int i = 0; i < 2; i++) x[i] = LEVEL(w[2 * i], w[2 * i + 1], W4_LO, W4_HI);
     return LEVEL(x[0], x[1], W2_LO, W2_HI);
 }
+#endif
 
 static inline float hmax(vf x) {
     float s = x[0];
@@ -133,8 +139,24 @@ static inline const float *row(const Plane *pl, int kind, int64_t b, int64_t h, 
 
 static const float ZERO_ROW[MAX_D];  /* what a masked key reads: no branch in the loops, no stale value */
 
-/* Scores of one query row over 16 keys: lane j = q . rows[j] (q pre-scaled, C vectors). */
-static inline __attribute__((always_inline)) vf scores16(const vf *qv, const float *const *rows, const int C) {
+/* Scores of one query row over L keys: lane j = q . rows[j] (q pre-scaled, C vectors). */
+#ifndef __AVX512F__
+/* Without AVX-512 (L = 8): each key's dot product reduced on its own, no 8-vector transpose. */
+static inline __attribute__((always_inline)) vf scores(const vf *qv, const float *const *rows, const int C) {
+    vf out;
+    for (int j = 0; j < L; j++) {
+        vf t0 = splat(0.0f), t1 = splat(0.0f);
+        for (int c = 0; c + 1 < C; c += 2) {
+            t0 += qv[c] * load(rows[j] + c * L);
+            t1 += qv[c + 1] * load(rows[j] + (c + 1) * L);
+        }
+        if (C % 2) t0 += qv[C - 1] * load(rows[j] + (C - 1) * L);
+        out[j] = hsum(t0 + t1);
+    }
+    return out;
+}
+#else
+static inline __attribute__((always_inline)) vf scores(const vf *qv, const float *const *rows, const int C) {
     vf t[L];
     for (int j = 0; j < L; j++) {
         vf t0 = splat(0.0f), t1 = splat(0.0f);
@@ -147,13 +169,14 @@ static inline __attribute__((always_inline)) vf scores16(const vf *qv, const flo
     }
     return sum16(t);
 }
+#endif
 
 /* acc[g] += sum_j p[g][j] v_j for the rows g0 .. g0 + n_g of a block: every value row is loaded
  * once for the n_g query rows, whose n_g * C accumulators stay in registers (independent chains,
  * so the multiply-adds are not serialised on one accumulator's latency). */
 static inline __attribute__((always_inline)) void values(float (*p)[BLOCK], const float *const *rows, int n, int g0,
                                                          int n_g, const int C, float *acc, const int D) {
-    vf a[MAX_ACC];
+    vf a[MAX_ACC > MAX_D / L ? MAX_ACC : MAX_D / L];  /* one row of a wide head holds C = D / L > MAX_ACC */
     for (int g = 0; g < n_g; g++)
         for (int c = 0; c < C; c++) a[g * C + c] = load(acc + (g0 + g) * D + c * L);
     if (n_g == 1) {  /* one row (wide heads): its C accumulators are the independent chains */
@@ -205,7 +228,7 @@ static inline __attribute__((always_inline)) void attend_range(
         for (int g = 0; g < G; g++) {
             vf qv[MAX_D / L], top;
             for (int c = 0; c < C; c++) qv[c] = load(q + g * D + c * L) * scale;
-            vf lo = scores16(qv, rows, C), hi = scores16(qv, rows + L, C);
+            vf lo = scores(qv, rows, C), hi = scores(qv, rows + L, C);
             lo = (vf)(((vi)lo & ~hidden[0]) | ((vi)splat(-INFINITY) & hidden[0]));
             hi = (vf)(((vi)hi & ~hidden[1]) | ((vi)splat(-INFINITY) & hidden[1]));
             vi gt = lo > hi;
@@ -274,7 +297,7 @@ static int key_ranges(int64_t heads, int64_t visible, int threads, int max_split
 static int decode_attention(int kind, const float *q, Plane k, Plane v, const uint8_t *mask, int64_t mask_sb,
                             int64_t mask_sh, int64_t mask_heads, float *out, float *work, int B, int Hkv, int G,
                             int64_t T, int D, int groups, float scale, int max_splits, int threads) {
-    if (G > MAX_G || D > MAX_D || D % L || max_splits < 1) return -1;
+    if (G > MAX_G || D > MAX_D || D % 16 || max_splits < 1) return -1;  /* D % 16: cpu_decode.VECTOR on every path */
     int64_t lo, hi;
     visible_range(mask, B * mask_heads, T, T, &lo, &hi);
     int splits = key_ranges(B * Hkv, hi > lo ? hi - lo : 0, threads, max_splits);

@@ -1,0 +1,59 @@
+"""Native kernels built on first use: the shared library for one source file, compiled once per
+source, flags, compiler and CPU into `$STRUCTKV_CACHE/kernels` and written atomically, so two
+processes starting together never load a half-written file and a cache folder shared by machines of
+different CPUs never hands one the other's `-march=native` build."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+@functools.cache
+def cpu_id() -> str:
+    """What -march=native compiles for: the CPU's model and flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def find_compiler(env: str, names: tuple[str, ...]) -> str | None:
+    """`$env` (CC, CXX) or the first of `names` on PATH."""
+    return os.environ.get(env) or next((p for p in map(shutil.which, names) if p), None)
+
+
+def kernels_disabled() -> bool:
+    """`STRUCTKV_CPU_KERNELS=0` turns every native kernel off (to compare against the references)."""
+    return os.environ.get("STRUCTKV_CPU_KERNELS", "1") == "0"
+
+
+def build_library(source: Path, compiler: str, flags: list[str], libs: list[str] = (), salt: str = "") -> Path:
+    """The shared library of `source` built by `compiler` with `flags` (then `libs` after the output),
+    once; `salt` keys anything else the build depends on (the torch version of its headers).
+    Raises RuntimeError with the compiler's message when the build fails."""
+    from ..util.fetch import cache_root
+    from ..util.files import write_atomic
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([source.read_text(), " ".join([*flags, *libs]), version, cpu_id(), salt])
+                         .encode()).hexdigest()
+    lib = cache_root() / "kernels" / f"{source.stem}-{key[:16]}.so"
+    if lib.exists():
+        return lib
+    with tempfile.TemporaryDirectory() as tmp:
+        built = Path(tmp) / lib.name
+        done = subprocess.run([compiler, *flags, str(source), "-o", str(built), *libs], capture_output=True,
+                              text=True, timeout=600)
+        if done.returncode:
+            raise RuntimeError(f"{compiler} failed on {source.name}: {done.stderr.strip()[-2000:]}")
+        with open(built, "rb") as f:
+            write_atomic(f, lib)
+    return lib
