@@ -5,6 +5,9 @@ For every prompt (RULER and LongBench samples of the evaluation's own builders, 
 model reads the whole prompt once per weight setting; over the last `--positions` positions it
 reports the mean KL(fp32 || quantized), top-1 agreement with fp32 and the float32 logit error.
 Answers (RULER accuracy) are a separate run: `structkv eval ruler --weights int8 ...`.
+A whole prompt runs the prompt path (the weight unpacked, a GEMM on float x); `--decode-kernels`
+sends every row through the few-row kernels instead (structkv's tiled int8 / int4: x rounded to
+int8 per group of 32 as in every decode step), so the KL is that of generation.
 
     python benchmarks/weights_accuracy.py --model gemma-3-270m --weights bf16,int8,int4 --length 4096
 """
@@ -35,6 +38,9 @@ def main(argv=None) -> int:
     ap.add_argument("--positions", type=int, default=256)
     ap.add_argument("--chat", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode-kernels", action="store_true",
+                    help="every product through the few-row kernels (x quantized per row, decode's numerics) "
+                         "instead of the prompt's GEMM")
     args = ap.parse_args(argv)
     import torch
 
@@ -46,6 +52,9 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         base = [ref(torch.tensor([s["input_ids"]]))[0, -args.positions:].log_softmax(-1) for s in samples]
     del ref
+    if args.decode_kernels:  # the tiled ops take the GEMM from this many rows: never
+        import structkv.models.quantized as quantized
+        quantized.DENSE_ROWS = 1 << 40
     rows = []
     for w in args.weights.split(","):
         model = structkv.load(args.model, weights=w)

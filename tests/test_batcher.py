@@ -45,12 +45,15 @@ def requests(model) -> tuple[list[Row], list[list[int]]]:
     return [row(model, p, name, new, s) for p, (_, name, new, s) in zip(prompts, REQUESTS)], want
 
 
-@pytest.mark.parametrize("arch,kv_dtype", [("llama", None), ("gemma3_text", None), ("llama", "int8")])
-def test_rows_joining_and_leaving_get_their_lone_answers(tiny_dir, arch, kv_dtype):
+@pytest.mark.parametrize("arch,kv_dtype,weights", [("llama", None, "fp32"), ("gemma3_text", None, "fp32"),
+                                                  ("llama", "int8", "fp32"), ("llama", None, "int8"),
+                                                  ("llama", None, "int4")])
+def test_rows_joining_and_leaving_get_their_lone_answers(tiny_dir, arch, kv_dtype, weights):
     """Five requests join at different steps (two at once, then one per step) and leave when their
     token limits differ; a hybrid model's sliding layers go through rings; int8 entries move with
-    their scales. Greedy and seeded sampled rows both equal `generate` alone."""
-    model = structkv.load(tiny_dir(arch), kv_dtype=kv_dtype)
+    their scales; quantized weights' few-row products (each row's x rounded on its own) give every
+    row its lone answer. Greedy and seeded sampled rows both equal `generate` alone."""
+    model = structkv.load(tiny_dir(arch), kv_dtype=kv_dtype, weights=weights)
     rows, want = requests(model)
     batch = Batch(model)
     batch.eos = set()  # random weights: never stop early, so every row runs to its limit
