@@ -93,6 +93,25 @@ def test_many_rows_run_the_gemm_and_every_count_passes_opcheck(kind, rows):
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_threads_split_large_weights_and_agree_with_one(kind):
+    """A weight past the per-thread minimum (256 KB) is split over threads; every tile's outputs
+    are computed the same way, so 1 and 2 threads agree bit for bit, and with the reference."""
+    stored = (int4_of if kind == "int4" else int8_of)(weight_of(1024, 1024, 7))
+    x = torch.randn(3, 1024)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(run(kind, x, stored))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+    ref = reference(kind, x, stored)
+    torch.testing.assert_close(outs[1], ref, rtol=0, atol=float(ref.abs().max()) * 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_a_prompt_over_a_tall_weight_runs_in_blocks_of_rows(kind):
     """More than 4096 rows (the LM head's shape): the GEMM path unpacks blocks of rows; every
     block's outputs land in their columns."""

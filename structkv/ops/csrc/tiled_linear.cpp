@@ -31,6 +31,15 @@
 namespace {
 
 constexpr int64_t kGroup = 32, kRows = 16, kStep = 8;  // columns a group, rows a tile, columns a step
+#ifndef STRUCTKV_THREAD_BYTES
+#define STRUCTKV_THREAD_BYTES (256 * 1024)
+#endif
+
+// Tiles a thread takes at least: a product over fewer weight bytes runs on one thread, since a
+// fork and join costs more than it saves on a small projection.
+inline int64_t grain(int64_t tile_bytes, int64_t rows) {
+  return std::max<int64_t>(1, STRUCTKV_THREAD_BYTES / (tile_bytes * rows));
+}
 
 struct Quantized {  // one row of x: int8 codes (K); per group the scale, the sum of x as quantized
   const int8_t *q;    // and (int8 weights on AVX-512) the codes' integer sum
@@ -288,7 +297,7 @@ at::Tensor int4_tiled_linear(const at::Tensor &x, const at::Tensor &codes, const
   const uint8_t *cp = codes.data_ptr<uint8_t>();
   const c10::Half *sp = scale.data_ptr<c10::Half>(), *mp = lo.data_ptr<c10::Half>();
   float *yp = y.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, tiles, grain(kRows * K / 2, M), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++)  // a tile's weights stay in L1 while every row reads them
       for (int64_t r = 0; r < M; r++)
         tile(rows.row(r), cp + b * (K / kStep) * 64, sp + b * G * kRows, mp + b * G * kRows, G,
@@ -335,7 +344,7 @@ at::Tensor int8_tiled_linear(const at::Tensor &x, const at::Tensor &codes, const
   const int8_t *cp = codes.data_ptr<int8_t>();
   const at::BFloat16 *sp = scales.data_ptr<at::BFloat16>();
   float *yp = y.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, tiles, grain(kRows * K, M), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++)
       for (int64_t r = 0; r < M; r++) {
         float *out = yp + r * tiles * kRows + b * kRows;
