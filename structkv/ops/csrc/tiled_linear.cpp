@@ -22,7 +22,9 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // the vector paths; elsewhere (ARM) the portable one builds
+#endif
 
 #include <algorithm>
 #include <cmath>
