@@ -57,3 +57,18 @@ def build_library(source: Path, compiler: str, flags: list[str], libs: list[str]
         with open(built, "rb") as f:
             write_atomic(f, lib)
     return lib
+
+
+def native_library(source: Path, compiler_env: str, compilers: tuple[str, ...], flags: list[str],
+                   libs: list[str] = (), salt: str = "", what: str = "the kernel") -> tuple[Path | None, str]:
+    """(the built library, "") or (None, why not): turned off, no compiler, or a failed build. The
+    callers fall back to their references on None."""
+    if kernels_disabled():
+        return None, "STRUCTKV_CPU_KERNELS=0"
+    compiler = find_compiler(compiler_env, compilers)
+    if compiler is None:
+        return None, f"no compiler ({', '.join(compilers)}; or ${compiler_env}) on PATH"
+    try:
+        return build_library(source, compiler, flags, libs, salt), ""
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return None, f"{what} could not be built: {e}"

@@ -15,12 +15,11 @@ from __future__ import annotations
 import array
 import ctypes
 import functools
-import subprocess
 from pathlib import Path
 
 import torch
 
-from .building import build_library, find_compiler, kernels_disabled
+from .building import native_library
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -31,15 +30,13 @@ MAX_G, MAX_D, VECTOR = 16, 512, 16  # the kernel's fixed limits (csrc: MAX_G, MA
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str]:
     """(the library, "") or (None, why not)."""
-    if kernels_disabled():
-        return None, "STRUCTKV_CPU_KERNELS=0"
-    compiler = find_compiler("CC", ("cc", "gcc", "clang"))
-    if compiler is None:
-        return None, "no C compiler (cc, gcc or clang; or $CC) on PATH"
+    path, why = native_library(SOURCE, "CC", ("cc", "gcc", "clang"), FLAGS, ["-lm"], what="the CPU decode kernel")
+    if path is None:
+        return None, why
     try:
-        lib = ctypes.CDLL(str(build_library(SOURCE, compiler, FLAGS, ["-lm"])))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        return None, f"the CPU decode kernel could not be built: {e}"
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return None, f"the CPU decode kernel could not be loaded: {e}"
     fn = lib.structkv_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_float]

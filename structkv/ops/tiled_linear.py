@@ -30,12 +30,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import subprocess
 from pathlib import Path
 
 import torch
 
-from .building import build_library, find_compiler, kernels_disabled
+from .building import native_library
 
 SOURCE = Path(__file__).parent / "csrc" / "tiled_linear.cpp"
 GROUP, ROWS, STEP = 32, 16, 8  # columns a group, rows a tile, int4 columns a step (csrc: kGroup, kRows, kStep)
@@ -81,18 +80,15 @@ def _flags() -> tuple[list[str], list[str]]:
 @functools.cache
 def _load() -> tuple[str | None, str]:
     """(the instruction set the build compiled for, "") or (None, why not)."""
-    if kernels_disabled():
-        return None, "STRUCTKV_CPU_KERNELS=0"
-    compiler = find_compiler("CXX", ("c++", "g++", "clang++"))
-    if compiler is None:
-        return None, "no C++ compiler (c++, g++ or clang++; or $CXX) on PATH"
+    lib, why = native_library(SOURCE, "CXX", ("c++", "g++", "clang++"), *_flags(), salt=torch.__version__,
+                              what="the tiled int4 / int8 kernels")
+    if lib is None:
+        return None, why
     try:
-        flags, libs = _flags()
-        lib = build_library(SOURCE, compiler, flags, libs, salt=torch.__version__)
         torch.ops.load_library(str(lib))
         isa = ctypes.CDLL(str(lib)).structkv_tiled_linear_isa
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        return None, f"the tiled int4 / int8 kernels could not be built: {e}"
+    except (OSError, RuntimeError) as e:
+        return None, f"the tiled int4 / int8 kernels could not be loaded: {e}"
     isa.restype = ctypes.c_char_p
     return isa().decode(), ""
 
@@ -180,14 +176,20 @@ def quantize_activations(x: torch.Tensor):
     return q.to(torch.int8).view(M, K), s, s * q.sum(-1)
 
 
+def _group_products(q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """Each group's integer product of x's codes q (M, K) and the weight's codes (N, K) -> (M, N, K/32),
+    exact in float64."""
+    M, K = q.shape
+    G = K // GROUP
+    return torch.einsum("mgj,ngj->mng", q.double().view(M, G, GROUP), codes.double().view(-1, G, GROUP))
+
+
 def reference_int4(x: torch.Tensor, tiled: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """What `int4_tiled_linear` computes for few rows, in plain PyTorch (tests): x quantized per
     group, integer products per group, then the float scale and minimum."""
     q, xs, xsum = quantize_activations(x)
-    codes = unpack_int4(tiled).double()
-    N, K = codes.shape
-    M, G = q.shape[0], K // GROUP
-    isum = torch.einsum("mgj,ngj->mng", q.double().view(M, G, GROUP), codes.view(N, G, GROUP))  # exact integers
+    isum = _group_products(q, unpack_int4(tiled))  # (M, N, G)
+    N, G = isum.shape[1:]
     s, m = (t.double().transpose(1, 2).reshape(N, G) for t in (scale, lo))  # (T, G, 16) -> (N, G)
     out = isum * s[None] * xs.double()[:, None] + m[None] * xsum.double()[:, None]  # (M, N, G)
     return out.sum(-1).float()
@@ -219,10 +221,7 @@ def int8_rows(tiled: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def reference_int8(x: torch.Tensor, tiled: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """What `int8_tiled_linear` computes for few rows, in plain PyTorch (tests)."""
     q, xs, _ = quantize_activations(x)
-    codes = unpack_int8(tiled).double()
-    N, K = codes.shape
-    M, G = q.shape[0], K // GROUP
-    isum = torch.einsum("mgj,ngj->mng", q.double().view(M, G, GROUP), codes.view(N, G, GROUP))  # exact integers
+    isum = _group_products(q, unpack_int8(tiled))  # (M, N, G)
     return ((isum * xs.double()[:, None]).sum(-1) * scales.double()[None]).float()
 
 

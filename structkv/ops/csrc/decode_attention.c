@@ -139,37 +139,29 @@ static inline const float *row(const Plane *pl, int kind, int64_t b, int64_t h, 
 
 static const float ZERO_ROW[MAX_D];  /* what a masked key reads: no branch in the loops, no stale value */
 
+/* q . row as C vectors' partial sums (two chains, so the multiply-adds overlap). */
+static inline __attribute__((always_inline)) vf dot(const vf *qv, const float *row, const int C) {
+    vf t0 = splat(0.0f), t1 = splat(0.0f);
+    for (int c = 0; c + 1 < C; c += 2) {
+        t0 += qv[c] * load(row + c * L);
+        t1 += qv[c + 1] * load(row + (c + 1) * L);
+    }
+    if (C % 2) t0 += qv[C - 1] * load(row + (C - 1) * L);
+    return t0 + t1;
+}
+
 /* Scores of one query row over L keys: lane j = q . rows[j] (q pre-scaled, C vectors). */
-#ifndef __AVX512F__
-/* Without AVX-512 (L = 8): each key's dot product reduced on its own, no 8-vector transpose. */
 static inline __attribute__((always_inline)) vf scores(const vf *qv, const float *const *rows, const int C) {
-    vf out;
-    for (int j = 0; j < L; j++) {
-        vf t0 = splat(0.0f), t1 = splat(0.0f);
-        for (int c = 0; c + 1 < C; c += 2) {
-            t0 += qv[c] * load(rows[j] + c * L);
-            t1 += qv[c + 1] * load(rows[j] + (c + 1) * L);
-        }
-        if (C % 2) t0 += qv[C - 1] * load(rows[j] + (C - 1) * L);
-        out[j] = hsum(t0 + t1);
-    }
-    return out;
-}
-#else
-static inline __attribute__((always_inline)) vf scores(const vf *qv, const float *const *rows, const int C) {
+#ifdef __AVX512F__
     vf t[L];
-    for (int j = 0; j < L; j++) {
-        vf t0 = splat(0.0f), t1 = splat(0.0f);
-        for (int c = 0; c + 1 < C; c += 2) {
-            t0 += qv[c] * load(rows[j] + c * L);
-            t1 += qv[c + 1] * load(rows[j] + (c + 1) * L);
-        }
-        if (C % 2) t0 += qv[C - 1] * load(rows[j] + (C - 1) * L);
-        t[j] = t0 + t1;
-    }
+    for (int j = 0; j < L; j++) t[j] = dot(qv, rows[j], C);
     return sum16(t);
-}
+#else
+    vf out;  /* without AVX-512 (L = 8): each key's sum reduced on its own, no 8-vector transpose */
+    for (int j = 0; j < L; j++) out[j] = hsum(dot(qv, rows[j], C));
+    return out;
 #endif
+}
 
 /* acc[g] += sum_j p[g][j] v_j for the rows g0 .. g0 + n_g of a block: every value row is loaded
  * once for the n_g query rows, whose n_g * C accumulators stay in registers (independent chains,
