@@ -101,7 +101,7 @@ def test_shapes_past_the_limits_are_refused_by_fits():
 
 
 @pytest.mark.parametrize("env, reason", [({"STRUCTKV_CPU_KERNELS": "0"}, "STRUCTKV_CPU_KERNELS=0"),
-                                         ({"CC": "/nonexistent/cc"}, "could not be built")])
+                                         ({"CXX": "/nonexistent/c++"}, "could not be built")])
 def test_without_the_kernel_caches_fall_back_to_sdpa(monkeypatch, tmp_path, tiny_dir, env, reason):
     """Turned off, or no working compiler: `available()` says why, a cache made then runs
     PyTorch's SDPA, and generation is the same."""

@@ -83,6 +83,31 @@ def test_model_logits_stay_close_to_float32(tiny_dir, arch, weights, max_rel):
     assert stored < float_bytes * {"bf16": 0.55, "int8": 0.3, "int4": 0.3}[weights]
 
 
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])  # qwen2: q/k/v biases
+def test_fused_projections_compute_the_parts_numbers(tiny_dir, arch, weights):
+    """q/k/v and gate/up as one product each (`fuse_projections`): the logits of the separate
+    products, on a prompt and through decode, and the same greedy tokens."""
+    from structkv.models.quantized import quantize_model
+
+    fused = structkv.load(tiny_dir(arch), weights=weights)
+    apart = structkv.load(tiny_dir(arch))
+    quantize_model(apart, weights, fuse=False)
+    for block, ref in zip(fused.model.layers, apart.model.layers):
+        assert block.self_attn.qkv_proj.sizes == tuple(getattr(ref.self_attn, n).out_features
+                                                      for n in ("q_proj", "k_proj", "v_proj"))
+        assert block.mlp.gate_up_proj.kind == ref.mlp.gate_proj.kind and not hasattr(block.mlp, "up_proj")
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids), apart(ids), rtol=1e-5, atol=1e-5)
+    prompt = ids[0].tolist()
+    a = structkv.generate(fused, prompt, max_new_tokens=6, stop_at_eos=False, compile=False)
+    b = structkv.generate(apart, prompt, max_new_tokens=6, stop_at_eos=False, compile=False)
+    assert a.token_ids == b.token_ids
+    assert sum(m.nbytes() for m in fused.modules() if isinstance(m, QuantizedLinear)) == \
+        sum(m.nbytes() for m in apart.modules() if isinstance(m, QuantizedLinear))
+
+
 def test_tied_embedding_reads_the_head(tiny_dir):
     model = structkv.load(tiny_dir("qwen2"), weights="int8")  # qwen2 tiny ties its embeddings
     assert model.model.embed_tokens.table is model.lm_head
@@ -166,8 +191,11 @@ def test_a_gguf_records_its_storage_types(tmp_path, monkeypatch):
     kinds = {type(m).__name__ + ":" + m.kind for m in model.modules() if hasattr(m, "kind")}
     assert kinds >= {"QuantizedLinear:int8"}
     block = model.model.layers[0]
-    assert block.mlp.up_proj.kind == "int8"
-    assert block.self_attn.q_proj.kind == ("int4" if block.self_attn.q_proj.out_features % 16 == 0 else "int8")
+    assert block.mlp.gate_up_proj.kind == block.mlp.down_proj.kind == "int8"  # gate and up: one product
+    assert block.mlp.gate_up_proj.sizes == (model.config.intermediate_size,) * 2
+    attn = block.self_attn
+    products = [attn.qkv_proj] if attn.qkv_proj is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+    assert all(p.kind == ("int4" if p.out_features % 16 == 0 else "int8") for p in products)
 
 
 @pytest.mark.parametrize("head", [False, True])

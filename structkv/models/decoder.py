@@ -78,13 +78,21 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, plus_one=cfg.gemma_norms)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_proj = None  # q, k and v in one product once quantized (`structkv.models.quantized.fuse`)
+
+    def project(self, x: torch.Tensor):
+        """x (B, S, E) -> q (B, S, Hq*D), k and v (B, S, Hkv*D): one product where fused."""
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x).split(self.qkv_proj.sizes, -1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Project and rotate: q (B, Hq, S, D), k and v (B, Hkv, S, D)."""
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)  # (B, S, Hq, D)
-        k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)  # (B, S, Hkv, D)
-        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+        q, k, v = self.project(x)
+        q = q.view(B, S, self.num_heads, self.head_dim)  # (B, S, Hq*D) -> (B, S, Hq, D)
+        k = k.view(B, S, self.num_kv_heads, self.head_dim)  # (B, S, Hkv, D)
+        v = v.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, Hq, S, D)
@@ -143,11 +151,15 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gelu = cfg.activation == "gelu_tanh"
+        self.gate_up_proj = None  # gate and up in one product once quantized (`structkv.models.quantized.fuse`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.gate_up_proj.sizes, -1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(gate * self.up_proj(x))
+        return self.down_proj(gate * up)
 
 
 class Block(nn.Module):

@@ -72,3 +72,16 @@ def native_library(source: Path, compiler_env: str, compilers: tuple[str, ...], 
         return build_library(source, compiler, flags, libs, salt), ""
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, f"{what} could not be built: {e}"
+
+
+def torch_extension_flags() -> tuple[list[str], list[str]]:
+    """(compile flags, link flags) of a C++ library against this torch's headers and libraries (the
+    ops registered into the dispatcher with TORCH_LIBRARY_IMPL)."""
+    import torch
+    from torch.utils import cpp_extension
+
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", abi,
+             *(f"-I{p}" for p in cpp_extension.include_paths())]
+    return flags, [f"-L{torch_lib}", "-ltorch", "-ltorch_cpu", "-lc10"]

@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
 
-from .building import native_library
+from .building import native_library, torch_extension_flags
 
 SOURCE = Path(__file__).parent / "csrc" / "tiled_linear.cpp"
 GROUP, ROWS, STEP = 32, 16, 8  # columns a group, rows a tile, int4 columns a step (csrc: kGroup, kRows, kStep)
@@ -67,21 +66,11 @@ def _(codes, scales):
     return codes.new_empty(codes.shape[0] * ROWS, codes.shape[1] * 4, dtype=torch.float32)
 
 
-def _flags() -> tuple[list[str], list[str]]:
-    from torch.utils import cpp_extension
-
-    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", abi,
-             *(f"-I{p}" for p in cpp_extension.include_paths())]
-    return flags, [f"-L{torch_lib}", "-ltorch", "-ltorch_cpu", "-lc10"]
-
-
 @functools.cache
 def _load() -> tuple[str | None, str]:
     """(the instruction set the build compiled for, "") or (None, why not)."""
-    lib, why = native_library(SOURCE, "CXX", ("c++", "g++", "clang++"), *_flags(), salt=torch.__version__,
-                              what="the tiled int4 / int8 kernels")
+    lib, why = native_library(SOURCE, "CXX", ("c++", "g++", "clang++"), *torch_extension_flags(),
+                              salt=torch.__version__, what="the tiled int4 / int8 kernels")
     if lib is None:
         return None, why
     try:

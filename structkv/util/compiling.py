@@ -149,10 +149,12 @@ def _own_code(fn, tag: str):
     return _OWN_CODE[key]
 
 
-def compiled_per_model(fn, backend: str = "inductor", **options):
+def compiled_per_model(fn, backend: str = "inductor", inductor: dict | None = None, **options):
     """`compiled(fn)` for `fn(model, *args)` without dynamo's guards on `model` (their cost grows
-    with the layer count), one copy of `fn` per `structure_key(model)` instead."""
-    options = dict(options, options={"guard_filter_fn": _skip_model_guards})
+    with the layer count), one copy of `fn` per `structure_key(model)` instead. `inductor`: inductor
+    config for these graphs (ignored by other backends)."""
+    own = dict(inductor or {}) if backend == "inductor" else {}
+    options = dict(options, options={"guard_filter_fn": _skip_model_guards, **own})
     graphs: dict[str, object] = {}  # structure key -> compiled copy
 
     def call(model, *args, **kwargs):

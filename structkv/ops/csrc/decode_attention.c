@@ -137,7 +137,7 @@ static inline const float *row(const Plane *pl, int kind, int64_t b, int64_t h, 
     return tmp;
 }
 
-static const float ZERO_ROW[MAX_D];  /* what a masked key reads: no branch in the loops, no stale value */
+static const float ZERO_ROW[MAX_D] = {0};  /* what a masked key reads: no branch in the loops, no stale value */
 
 /* q . row as C vectors' partial sums (two chains, so the multiply-adds overlap). */
 static inline __attribute__((always_inline)) vf dot(const vf *qv, const float *row, const int C) {
