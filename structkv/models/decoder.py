@@ -78,7 +78,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, plus_one=cfg.gemma_norms)
         else:
             self.q_norm = self.k_norm = None
-        self.qkv_proj = None  # q, k and v in one product once quantized (`structkv.models.quantized.fuse`)
+        self.qkv_proj = None  # q, k and v as one product once quantized (`quantized.fuse_projections`)
 
     def project(self, x: torch.Tensor):
         """x (B, S, E) -> q (B, S, Hq*D), k and v (B, S, Hkv*D): one product where fused."""
@@ -151,7 +151,7 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gelu = cfg.activation == "gelu_tanh"
-        self.gate_up_proj = None  # gate and up in one product once quantized (`structkv.models.quantized.fuse`)
+        self.gate_up_proj = None  # gate and up as one product once quantized (`quantized.fuse_projections`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:

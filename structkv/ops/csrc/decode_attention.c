@@ -9,8 +9,9 @@
  *
  * Entries are float32, bfloat16, int8 (one bfloat16 scale per row) or int4 (two codes per byte,
  * dimension j low and j + D/2 high; per group of dimensions a bfloat16 scale and a float32
- * minimum), the layouts of structkv.ops.kv_quant. Plain C (no PyTorch headers, so it builds in a
- * second); OpenMP from the process's own runtime (PyTorch's libgomp is already loaded).
+ * minimum), the layouts of structkv.ops.kv_quant. Plain C, no PyTorch headers: the library
+ * compiles it inside the C++ op of decode_attention_op.cpp; benchmarks/attention_kernel_ab.py builds
+ * it alone as C to time two revisions. OpenMP from the process's own runtime (PyTorch's libgomp).
  */
 #include <math.h>
 #include <stdint.h>
@@ -326,8 +327,9 @@ static Plane plane(const int64_t *a) {
     return p;
 }
 
-/* The entry point, its integers and pointers in one array (one ctypes argument instead of twenty:
- * the call's Python cost is per argument): kind, q, out, work, mask, mask_sb, mask_sh, mask_heads,
+/* The C entry point of a standalone build (benchmarks/attention_kernel_ab.py calls it through
+ * ctypes; the library's op calls decode_attention directly), its integers and pointers in one
+ * array: kind, q, out, work, mask, mask_sb, mask_sh, mask_heads,
  * B, Hkv, G, T, D, groups, max_splits, threads, then k's and v's planes, 12 each: codes, scale,
  * minimum pointers and their three strides (B, H, T) each. */
 int structkv_decode_attention(const int64_t *a, float scale) {
