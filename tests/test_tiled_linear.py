@@ -56,6 +56,23 @@ def test_kernel_equals_the_reference_of_its_arithmetic(kind, tiles, groups, rows
     torch.testing.assert_close(out, ref, rtol=0, atol=float(ref.abs().max()) * 1e-5 + 1e-30)
 
 
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_activations_round_as_the_reference_at_ties_and_zero_groups(kind):
+    """The vectorised quantization of x (AVX-512 / AVX2 / scalar, whichever this CPU built) gives the
+    reference's codes where rounding is decided by ties to even, in an all-zero group (scale 1) and
+    at the group's extremes, in a second row too: any code off by one would move an output by a
+    whole step of the weight."""
+    N, K = 32, 96
+    stored = (int4_of if kind == "int4" else int8_of)(weight_of(N, K, 7))
+    ties = torch.tensor([127.0, -127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5] + [3.0] * 22)
+    x = torch.stack([torch.cat([torch.zeros(32), ties, -ties.flip(0)]), torch.cat([ties, torch.zeros(32), ties])])
+    codes, scale, _ = T.quantize_activations(x)
+    assert torch.equal(codes[0, 32:42], torch.tensor([127, -127, 0, 2, 2, 0, -2, -2, 126, -126], dtype=torch.int8))
+    assert torch.equal(scale[0, 0], torch.tensor(1.0))  # the zero group's scale
+    out, ref = run(kind, x, stored), reference(kind, x, stored)
+    torch.testing.assert_close(out, ref, rtol=0, atol=float(ref.abs().max()) * 1e-6)
+
+
 @settings(max_examples=20, deadline=None)
 @given(kind=st.sampled_from(["int4", "int8"]), tiles=st.integers(1, 4), groups=st.integers(1, 6),
        rows=st.integers(1, 4), seed=st.integers(0, 2**16))

@@ -29,12 +29,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace {
 
 constexpr int64_t kGroup = 32, kRows = 16, kStep = 8;  // columns a group, rows a tile, columns a step
 #ifndef STRUCTKV_THREAD_BYTES
-#define STRUCTKV_THREAD_BYTES (256 * 1024)
+#define STRUCTKV_THREAD_BYTES (64 * 1024)
 #endif
 
 // Tiles a thread takes at least: a product over fewer weight bytes runs on one thread, since a
@@ -49,42 +50,92 @@ struct Quantized {  // one row of x: int8 codes (K); per group the scale, the su
   const int32_t *qsum;
 };
 
-// Every row of x (M, K) quantized per group of 32: codes (M, K) int8, scale and sum (M, 2, G)
-// float, integer sums (M, G).
-struct Rows {
-  at::Tensor q, fl, qsum;
-  int64_t K, G;
-  Quantized row(int64_t r) const {
-    const float *f = fl.data_ptr<float>() + r * 2 * G;
-    return {q.data_ptr<int8_t>() + r * K, f, f + G, qsum.data_ptr<int32_t>() + r * G};
+// One group of 32 values of x: its int8 codes, scale max|x| / 127 (1 for a zero group) and the
+// codes' integer sum. The vector paths compute the scalar one's numbers (a division, rounding to
+// nearest even, as std::nearbyint); why vectors: a decode step quantizes x once per product, ~120
+// times a token, and the scalar loop cost ~2 us at K = 576.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline int32_t quantize_group(const float *x, int8_t *q, float *scale) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float s = amax > 0.f ? amax / 127.f : 1.f;
+  const __m512 sv = _mm512_set1_ps(s);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_div_ps(a, sv)), qb = _mm512_cvtps_epi32(_mm512_div_ps(b, sv));
+  _mm_storeu_si128(reinterpret_cast<__m128i *>(q), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i *>(q + 16), _mm512_cvtsepi32_epi8(qb));
+  *scale = s;
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+}
+#elif defined(__AVX2__)
+inline int32_t quantize_group(const float *x, int8_t *q, float *scale) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; i++) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
   }
+  m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));  // the largest of 8 lanes, in every lane
+  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
+  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));
+  const float amax = _mm256_cvtss_f32(m), s = amax > 0.f ? amax / 127.f : 1.f;
+  const __m256 sv = _mm256_set1_ps(s);
+  __m256i c[4], total = _mm256_setzero_si256();
+  for (int i = 0; i < 4; i++) {
+    c[i] = _mm256_cvtps_epi32(_mm256_div_ps(v[i], sv));
+    total = _mm256_add_epi32(total, c[i]);
+  }
+  // packs work within 128-bit halves: dwords (0, 4, 1, 5, 2, 6, 3, 7) put the 32 codes in order
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i *>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  *scale = s;
+  return _mm_cvtsi128_si32(t);
+}
+#else
+inline int32_t quantize_group(const float *x, int8_t *q, float *scale) {
+  float amax = 0.f;
+  for (int64_t j = 0; j < kGroup; j++) amax = std::max(amax, std::fabs(x[j]));
+  const float s = amax > 0.f ? amax / 127.f : 1.f;
+  int32_t total = 0;
+  for (int64_t j = 0; j < kGroup; j++) {
+    q[j] = static_cast<int8_t>(std::nearbyint(x[j] / s));
+    total += q[j];
+  }
+  *scale = s;
+  return total;
+}
+#endif
+
+// Every row of x (M, K) quantized per group of 32: codes (M, K) int8; per group (M, G) the scale,
+// the sum of x as quantized and the codes' integer sum. Held in the calling thread's scratch
+// (reused call after call: no allocation a product; the kernel's threads only read it).
+struct Rows {
+  const int8_t *q;
+  const float *scale, *sum;
+  const int32_t *qsum;
+  int64_t K, G;
+  Quantized row(int64_t r) const { return {q + r * K, scale + r * G, sum + r * G, qsum + r * G}; }
 };
 
 Rows quantize(const at::Tensor &x) {
+  thread_local std::vector<int8_t> codes;
+  thread_local std::vector<float> tables;  // scale (M, G) then sum (M, G)
+  thread_local std::vector<int32_t> totals;
   auto xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1), G = K / kGroup;
-  Rows rows{at::empty({M, K}, xf.options().dtype(at::kChar)), at::empty({M, 2, G}, xf.options()),
-            at::empty({M, G}, xf.options().dtype(at::kInt)), K, G};
-  for (int64_t r = 0; r < M; r++) {
-    const float *xr = xf.data_ptr<float>() + r * K;
-    int8_t *q = rows.q.data_ptr<int8_t>() + r * K;
-    float *scale = rows.fl.data_ptr<float>() + r * 2 * G, *sum = scale + G;
-    for (int64_t g = 0; g < G; g++) {
-      const float *xg = xr + g * kGroup;
-      float amax = 0.f;
-      for (int64_t j = 0; j < kGroup; j++) amax = std::max(amax, std::fabs(xg[j]));
-      const float s = amax > 0.f ? amax / 127.f : 1.f;
-      int32_t total = 0;
-      for (int64_t j = 0; j < kGroup; j++) {
-        q[g * kGroup + j] = static_cast<int8_t>(std::nearbyint(xg[j] / s));
-        total += q[g * kGroup + j];
-      }
-      scale[g] = s;
-      sum[g] = s * static_cast<float>(total);
-      rows.qsum.data_ptr<int32_t>()[r * G + g] = total;
-    }
+  codes.resize(M * K);
+  tables.resize(2 * M * G);
+  totals.resize(M * G);
+  const float *xp = xf.data_ptr<float>();
+  float *scale = tables.data(), *sum = scale + M * G;
+  for (int64_t i = 0; i < M * G; i++) {  // group i of row i / G: x, codes, scale, sums in (M, G) order
+    totals[i] = quantize_group(xp + i * kGroup, codes.data() + i * kGroup, scale + i);
+    sum[i] = scale[i] * static_cast<float>(totals[i]);
   }
-  return rows;
+  return {codes.data(), scale, sum, totals.data(), K, G};
 }
 
 inline int32_t load4(const int8_t *p) {  // 4 int8 x values as one 32-bit lane (broadcast below)
