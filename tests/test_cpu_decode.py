@@ -1,7 +1,8 @@
 """The CPU decode-attention kernel (`structkv::cpu_decode_attention`, C built on first use) against
 its definition, PyTorch's attention over the dequantized entries: every entry kind, masks with
 holes or per KV head, views of larger buffers, 1-2 threads and key-range splits (hypothesis);
-the op's registration (opcheck); the fallback where it cannot be built; and generation through
+the positions op against the mask op for `visible`'s masks (hypothesis); the ops' registration
+(opcheck); the fallback where it cannot be built; and generation through
 it equal to generation without it, eager and compiled."""
 import pytest
 import torch
@@ -9,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import structkv
-from structkv.ops import cpu_decode, decode_attention, dequantize_kv, quantize_kv
+from structkv.ops import cpu_decode, decode_attention, dequantize_kv, quantize_kv, visible
 
 KINDS = ["float32", "bfloat16", "int8", "int4"]
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason=f"no CPU kernel: {cpu_decode.unavailable_reason()}")
@@ -43,8 +44,37 @@ def test_kernel_equals_attention_over_the_same_entries(kind, B, Hkv, G, D, T, sp
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("visible", [(0, 100), (3000, 3300), (1000, 3100)])
-def test_key_ranges_follow_the_visible_slots_not_the_capacity(visible):
+@given(st.sampled_from(KINDS), st.integers(1, 3), st.integers(1, 3), st.integers(1, 4), st.sampled_from([16, 64, 256]),
+       st.integers(1, 400), st.sampled_from([None, 1, 7, 64]), st.integers(1, 2), st.integers(0, 2**16))
+def test_positions_decide_what_the_mask_of_visible_would(kind, B, Hkv, G, D, T, window, threads, seed):
+    """`cpu_decode_attention_at` (the keys each row sees decided in the kernel from the slots'
+    positions and the query's) gives the mask op's numbers for `structkv.ops.visible`'s mask:
+    empty slots (-1), future slots, rows at different positions, per-head positions, windows."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hkv * G, 1, D, generator=gen)
+    kp, vp = (planes(torch.randn(B, Hkv, T, D, generator=gen), kind) for _ in range(2))
+    pos = torch.randint(-1, T + 20, (B, Hkv, T), generator=gen)
+    at = torch.randint(0, T + 20, (B, 1), generator=gen)
+    out = cpu_decode.cpu_decode_attention_at(q, kp, vp, pos, at, window, 0.3, kind, threads)
+    want = cpu_decode.cpu_decode_attention(q, kp, vp, visible(at, pos, window), 0.3, kind, threads)
+    assert torch.equal(out, want)
+
+
+def test_positions_op_opcheck_and_bad_input():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 32, generator=gen)
+    kp, vp = ([torch.randn(2, 2, 300, 32, generator=gen)] for _ in range(2))
+    pos, at = torch.arange(300).expand(2, 2, 300).contiguous(), torch.tensor([[299], [150]])
+    op = torch.ops.structkv.cpu_decode_attention_at.default
+    torch.library.opcheck(op, (q, kp, vp, pos, at, 0, 0.25, "float32", 2))
+    with pytest.raises(RuntimeError, match=r"pos must be int64 \(B, Hkv, T\) = \(2, 2, 300\)"):
+        cpu_decode.cpu_decode_attention_at(q, kp, vp, pos.int(), at, None, 0.25, "float32", 2)
+    with pytest.raises(RuntimeError, match="one query position a row"):
+        cpu_decode.cpu_decode_attention_at(q, kp, vp, pos, at[:1], None, 0.25, "float32", 2)
+
+
+@pytest.mark.parametrize("shown", [(0, 100), (3000, 3300), (1000, 3100)])
+def test_key_ranges_follow_the_visible_slots_not_the_capacity(shown):
     """A large cache with few visible slots (a compressed or just-started cache): the kernel picks
     its key ranges from the slots its mask shows (few ranges for few keys, more for many), and
     the answer is the same either way."""
@@ -52,7 +82,7 @@ def test_key_ranges_follow_the_visible_slots_not_the_capacity(visible):
     q = torch.randn(1, 9, 1, 64, generator=gen)
     k, v = ([torch.randn(1, 3, 4096, 64, generator=gen)] for _ in range(2))
     mask = torch.zeros(1, 1, 1, 4096, dtype=torch.bool)
-    mask[..., visible[0]:visible[1]] = True
+    mask[..., shown[0]:shown[1]] = True
     out = cpu_decode.cpu_decode_attention(q, k, v, mask, 0.125, "float32", 2)
     torch.testing.assert_close(out, decode_attention(q, k[0], v[0], mask, 0.125), atol=2e-5, rtol=1e-4)
 

@@ -104,16 +104,20 @@ class LayerKVCache(nn.Module):
             return self.k, self.v
         return tuple(dequantize_kv(side, self.kv_dtype, dtype or torch.float32) for side in self._sides())
 
+    def _kernel_kind(self, q: torch.Tensor) -> str | None:
+        """The CPU decode kernel's name for this layer's entries, or None where it does not apply."""
+        kind = self.kv_dtype or str(self.k.dtype).removeprefix("torch.")
+        return kind if self.kernel and cpu_decode.fits(q, self.k) and kind in cpu_decode.KINDS else None
+
     def attend(self, q: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
         """One query token per row over this layer's entries: q (B, Hq, 1, D), mask (B, 1|Hkv, 1, C)
         -> (B, Hq, 1, D). On CPU, where it is built, the decode kernel reads every kind of entry
         (`structkv::cpu_decode_attention`); otherwise float entries go to SDPA (`decode_attention`)
         and quantized ones to `structkv::quantized_decode_attention`."""
-        if self.kernel and cpu_decode.fits(q, self.k):
+        kind = self._kernel_kind(q)
+        if kind is not None:
             k_planes, v_planes = self._sides()
-            kind = self.kv_dtype or str(self.k.dtype).removeprefix("torch.")
-            if kind in cpu_decode.KINDS:
-                return torch.ops.structkv.cpu_decode_attention(q, k_planes, v_planes, mask, scale, kind, self.threads)
+            return torch.ops.structkv.cpu_decode_attention(q, k_planes, v_planes, mask, scale, kind, self.threads)
         if self.kv_dtype is None:
             return decode_attention(q, self.k, self.v, mask, scale, self.threads)
         k_planes, v_planes = self._sides()
@@ -129,7 +133,14 @@ class LayerKVCache(nn.Module):
             if self.query_slots:
                 self._keep_query(q * attn.scale, positions)
             self.write(k, v, positions)
-            out = self.attend(q, visible(positions, self.pos, attn.sliding_window), attn.scale)  # (B, Hq, 1, D)
+            kind = self._kernel_kind(q)
+            if kind is not None:  # the kernel decides from the slots' positions: no mask built a layer
+                k_planes, v_planes = self._sides()
+                out = torch.ops.structkv.cpu_decode_attention_at(q, k_planes, v_planes, self.pos, positions,
+                                                                 attn.sliding_window or 0, attn.scale, kind,
+                                                                 self.threads)
+            else:
+                out = self.attend(q, visible(positions, self.pos, attn.sliding_window), attn.scale)  # (B, Hq, 1, D)
             return attn.o_proj(out.reshape(q.shape[0], 1, -1))
         old_k, old_v = self.read(k.dtype)
         new_pos = positions[:, None].expand(-1, k.shape[1], -1)  # (B, Hkv, S)

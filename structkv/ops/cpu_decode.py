@@ -31,8 +31,17 @@ _LIB.define("cpu_decode_attention(Tensor q, Tensor[] k, Tensor[] v, Tensor mask,
             "int threads) -> Tensor")
 
 
+_LIB.define("cpu_decode_attention_at(Tensor q, Tensor[] k, Tensor[] v, Tensor pos, Tensor at, int window, float scale, "
+            "str kind, int threads) -> Tensor")
+
+
 @torch.library.register_fake("structkv::cpu_decode_attention", lib=_LIB)
 def _(q, k, v, mask, scale, kind, threads):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("structkv::cpu_decode_attention_at", lib=_LIB)
+def _(q, k, v, pos, at, window, scale, kind, threads):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -73,3 +82,13 @@ def cpu_decode_attention(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.T
     (B, 1|Hkv, 1, T) -> (B, Hq, 1, D) in q's dtype, on `threads` threads. The caller checks
     `available` and `fits` first (shapes past the limits raise ValueError)."""
     return torch.ops.structkv.cpu_decode_attention(q, list(k), list(v), mask, scale, kind, threads)
+
+
+def cpu_decode_attention_at(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], pos: torch.Tensor,
+                            at: torch.Tensor, window: int | None, scale: float, kind: str,
+                            threads: int) -> torch.Tensor:
+    """`cpu_decode_attention` with the keys each row sees read from the slots' original positions
+    pos (B, Hkv, T) int64 (-1 empty) against the rows' query positions at (B, 1): 0 <= pos <= at and,
+    with a `window`, at - pos < window (`structkv.ops.visible`'s rule), decided inside the kernel.
+    Why: the mask it stands for took a separate pass over every slot of every layer's cache."""
+    return torch.ops.structkv.cpu_decode_attention_at(q, list(k), list(v), pos, at, window or 0, scale, kind, threads)

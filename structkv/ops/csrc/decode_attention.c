@@ -39,6 +39,35 @@ typedef struct {            /* one of k / v: its planes and their strides (eleme
     int64_t cs[3], ss[3], ms[3];
 } Plane;
 
+/* Which slots the query rows see: a byte mask (B, Hm, T), or the slots' original positions (B, Hkv,
+ * T; -1 empty) against each row's query position `at` (B), within `window` positions when > 0.
+ * Why positions: building the mask took a separate pass a layer (an inductor loop over every slot
+ * of the cache, ~15 us at 1K slots, 55 us at 4K: more than SmolLM2's whole attention at 1K); here
+ * the check rides on the key loop. Row (b, h) starts at b * sb + h * sh; `heads` rows a batch row. */
+typedef struct {
+    const uint8_t *mask;
+    const int64_t *pos, *at;
+    int64_t sb, sh, heads, window;
+} Sight;
+
+typedef struct {  /* one (row, KV head)'s view of Sight */
+    const uint8_t *mask;
+    const int64_t *pos;
+    int64_t at, window;
+} Seen;
+
+static inline Seen seen_by(const Sight *s, int64_t b, int64_t h) {
+    Seen r = {s->mask ? s->mask + b * s->sb + h * s->sh : NULL, s->pos ? s->pos + b * s->sb + h * s->sh : NULL,
+              s->at ? s->at[b] : 0, s->window};
+    return r;
+}
+
+static inline int sees(const Seen *s, int64_t t) {
+    if (s->mask) return s->mask[t];
+    int64_t p = s->pos[t];
+    return p >= 0 && p <= s->at && (s->window <= 0 || s->at - p < s->window);
+}
+
 static inline vf load(const float *p) {
     vf x;
     memcpy(&x, p, sizeof x);
@@ -198,7 +227,7 @@ static inline __attribute__((always_inline)) void values(float (*p)[BLOCK], cons
  * scores the block with its q in registers, and the values are added for several rows at once.
  * Inlined with D a constant (attend_range_d), so the loops over D unroll. */
 static inline __attribute__((always_inline)) void attend_range(
-        const float *q, const Plane *k, const Plane *v, int kind, const uint8_t *mask, int64_t b, int64_t h,
+        const float *q, const Plane *k, const Plane *v, int kind, const Seen *view, int64_t b, int64_t h,
         int64_t t0, int64_t t1, int G, const int D, int groups, float scale, float *acc, float *m, float *l) {
     const int C = D / L, per = C > MAX_ACC ? 1 : MAX_ACC / C;  /* query rows per pass over a block's values */
     float s[MAX_G][BLOCK], buf[BLOCK * MAX_D];
@@ -212,7 +241,7 @@ static inline __attribute__((always_inline)) void attend_range(
     for (int64_t tb = t0; tb < t1; tb += BLOCK) {
         int n = (int)(t1 - tb < BLOCK ? t1 - tb : BLOCK), seen = 0;
         for (int j = 0; j < BLOCK; j++) {
-            int on = j < n && mask[tb + j];
+            int on = j < n && sees(view, tb + j);
             rows[j] = on ? row(k, kind, b, h, tb + j, D, groups, buf + j * D) : ZERO_ROW;
             hidden[j / L][j % L] = on ? 0 : -1;
             seen |= on;
@@ -246,28 +275,27 @@ static inline __attribute__((always_inline)) void attend_range(
 
 /* attend_range with the common head sizes as constants (their loops unroll and the vectors stay
  * in registers). */
-static void attend_range_d(const float *q, const Plane *k, const Plane *v, int kind, const uint8_t *mask, int64_t b,
+static void attend_range_d(const float *q, const Plane *k, const Plane *v, int kind, const Seen *view, int64_t b,
                            int64_t h, int64_t t0, int64_t t1, int G, int D, int groups, float scale, float *acc,
                            float *m, float *l) {
     switch (D) {
-    case 64: attend_range(q, k, v, kind, mask, b, h, t0, t1, G, 64, groups, scale, acc, m, l); break;
-    case 128: attend_range(q, k, v, kind, mask, b, h, t0, t1, G, 128, groups, scale, acc, m, l); break;
-    case 256: attend_range(q, k, v, kind, mask, b, h, t0, t1, G, 256, groups, scale, acc, m, l); break;
-    default: attend_range(q, k, v, kind, mask, b, h, t0, t1, G, D, groups, scale, acc, m, l);
+    case 64: attend_range(q, k, v, kind, view, b, h, t0, t1, G, 64, groups, scale, acc, m, l); break;
+    case 128: attend_range(q, k, v, kind, view, b, h, t0, t1, G, 128, groups, scale, acc, m, l); break;
+    case 256: attend_range(q, k, v, kind, view, b, h, t0, t1, G, 256, groups, scale, acc, m, l); break;
+    default: attend_range(q, k, v, kind, view, b, h, t0, t1, G, D, groups, scale, acc, m, l);
     }
 }
 
 /* The slots [lo, hi) where any row or head sees a key (a cache's unused or evicted slots are
- * masked; splitting only the visible range keeps the threads' shares equal). */
-static void visible_range(const uint8_t *mask, int64_t rows, int64_t row_stride, int64_t T, int64_t *lo,
-                          int64_t *hi) {
+ * hidden; splitting only the visible range keeps the threads' shares equal). */
+static void visible_range(const Sight *sight, int64_t B, int64_t T, int64_t *lo, int64_t *hi) {
     *lo = T;
     *hi = 0;
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *m = mask + r * row_stride;
+    for (int64_t r = 0; r < B * sight->heads; r++) {
+        Seen m = seen_by(sight, r / sight->heads, r % sight->heads);
         int64_t a = 0, b = T;
-        while (a < T && !m[a]) a++;
-        while (b > a && !m[b - 1]) b--;
+        while (a < T && !sees(&m, a)) a++;
+        while (b > a && !sees(&m, b - 1)) b--;
         if (a < b) {
             *lo = a < *lo ? a : *lo;
             *hi = b > *hi ? b : *hi;
@@ -284,15 +312,15 @@ static int key_ranges(int64_t heads, int64_t visible, int threads, int max_split
     return splits;
 }
 
-/* q (B, Hkv, G, D) float32 contiguous; mask (B, Hm, T) bytes 0/1, Hm 1 or Hkv, strides mask_sb,
- * mask_sh (0 where broadcast), T contiguous; out (B, Hkv, G, D) float32; work: splits * B * Hkv *
+/* q (B, Hkv, G, D) float32 contiguous; sight: a mask (B, Hm, T) of bytes 0/1, Hm 1 or Hkv (sh 0 where
+ * broadcast), or positions (B, Hkv, T), T contiguous; out (B, Hkv, G, D) float32; work: splits * B * Hkv *
  * G * (D + 2) floats for splits = max_splits. Returns 0, or -1 for shapes past the fixed limits (the caller checks them). */
-static int decode_attention(int kind, const float *q, Plane k, Plane v, const uint8_t *mask, int64_t mask_sb,
-                            int64_t mask_sh, int64_t mask_heads, float *out, float *work, int B, int Hkv, int G,
+static int decode_attention(int kind, const float *q, Plane k, Plane v, Sight sight, float *out, float *work, int B,
+                            int Hkv, int G,
                             int64_t T, int D, int groups, float scale, int max_splits, int threads) {
     if (G > MAX_G || D > MAX_D || D % 16 || max_splits < 1) return -1;  /* D % 16: cpu_decode.VECTOR on every path */
     int64_t lo, hi;
-    visible_range(mask, B * mask_heads, T, T, &lo, &hi);
+    visible_range(&sight, B, T, &lo, &hi);
     int splits = key_ranges(B * Hkv, hi > lo ? hi - lo : 0, threads, max_splits);
     int64_t tasks = (int64_t)B * Hkv * splits, per = hi > lo ? (hi - lo + splits - 1) / splits : 0;
     float *accs = work, *ms = work + tasks * G * D, *ls = ms + tasks * G;
@@ -300,7 +328,8 @@ static int decode_attention(int kind, const float *q, Plane k, Plane v, const ui
     for (int64_t i = 0; i < tasks; i++) {
         int64_t bh = i / splits, part = i % splits, b = bh / Hkv, h = bh % Hkv;
         int64_t t0 = lo + part * per, t1 = t0 + per < hi ? t0 + per : hi;
-        attend_range_d(q + bh * G * D, &k, &v, kind, mask + b * mask_sb + h * mask_sh, b, h, t0, t1 > t0 ? t1 : t0,
+        Seen view = seen_by(&sight, b, h);  /* sh is 0 for a mask shared by the KV heads */
+        attend_range_d(q + bh * G * D, &k, &v, kind, &view, b, h, t0, t1 > t0 ? t1 : t0,
                        G, D, groups, scale, accs + i * G * D, ms + i * G, ls + i * G);
     }
     for (int64_t bh = 0; bh < (int64_t)B * Hkv; bh++) {
@@ -333,7 +362,8 @@ static Plane plane(const int64_t *a) {
  * B, Hkv, G, T, D, groups, max_splits, threads, then k's and v's planes, 12 each: codes, scale,
  * minimum pointers and their three strides (B, H, T) each. */
 int structkv_decode_attention(const int64_t *a, float scale) {
-    return decode_attention((int)a[0], (const float *)a[1], plane(a + 16), plane(a + 28), (const uint8_t *)a[4], a[5],
-                            a[6], a[7], (float *)a[2], (float *)a[3], (int)a[8], (int)a[9], (int)a[10], a[11],
-                            (int)a[12], (int)a[13], scale, (int)a[14], (int)a[15]);
+    Sight mask = {(const uint8_t *)a[4], NULL, NULL, a[5], a[6], a[7], 0};
+    return decode_attention((int)a[0], (const float *)a[1], plane(a + 16), plane(a + 28), mask, (float *)a[2],
+                            (float *)a[3], (int)a[8], (int)a[9], (int)a[10], a[11], (int)a[12], (int)a[13], scale,
+                            (int)a[14], (int)a[15]);
 }

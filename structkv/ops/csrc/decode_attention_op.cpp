@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <string_view>
+#include <vector>
 
 #include "decode_attention.c"  // the kernel's static functions, compiled as C++ here
 
@@ -54,36 +55,81 @@ int64_t max_splits(int64_t B, int64_t Hkv, int64_t threads) {
   return splits;
 }
 
+// What both ops check and hold: q (B, Hq, 1, D) as float32 (B, Hkv, G, D), the planes, the kind,
+// the output and the kernel's work buffer.
+struct Call {
+  int kind;
+  std::vector<at::Tensor> k, v;
+  at::Tensor q32, out, work;
+  int64_t B, Hq, D, Hkv, T, G, groups, splits;
+};
+
+Call prepare(const at::Tensor &q, at::TensorList k_in, at::TensorList v_in, c10::string_view kind_name,
+             int64_t threads) {
+  Call c;
+  c.kind = kind_of(std::string_view(kind_name.data(), kind_name.size()));
+  const size_t planes = c.kind == KIND_INT4 ? 3 : c.kind == KIND_INT8 ? 2 : 1;
+  TORCH_CHECK(k_in.size() == planes && v_in.size() == planes, "cpu_decode_attention: ", kKinds[c.kind], " takes ",
+              planes, " planes a side, got ", k_in.size(), " and ", v_in.size());
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "cpu_decode_attention: q must be (B, Hq, 1, D), got ", q.sizes());
+  c.k = last_contiguous(k_in);
+  c.v = last_contiguous(v_in);
+  c.B = q.size(0), c.Hq = q.size(1), c.D = q.size(3), c.Hkv = c.k[0].size(1), c.T = c.k[0].size(2);
+  TORCH_CHECK(c.Hkv > 0 && c.Hq % c.Hkv == 0, "cpu_decode_attention: ", c.Hq, " query heads over ", c.Hkv, " KV heads");
+  c.G = c.Hq / c.Hkv, c.splits = max_splits(c.B, c.Hkv, threads);
+  // (B, Hq, 1, D) contiguous is (B, Hkv, G, D) in memory: a KV head's G query rows together
+  c.q32 = q.to(at::kFloat).contiguous();
+  c.out = at::empty({c.B, c.Hq, 1, c.D}, q.options().dtype(at::kFloat));
+  c.work = at::empty({c.splits * c.B * c.Hkv * c.G * (c.D + 2)}, q.options().dtype(at::kFloat));
+  c.groups = c.kind == KIND_INT4 ? c.k[1].size(-1) : 1;
+  return c;
+}
+
+at::Tensor run(const Call &c, const Sight &sight, const at::Tensor &q, double scale, int64_t threads) {
+  const int rc = decode_attention(c.kind, c.q32.data_ptr<float>(), plane(c.k), plane(c.v), sight,
+                                  c.out.data_ptr<float>(), c.work.data_ptr<float>(), c.B, c.Hkv, c.G, c.T, c.D,
+                                  c.groups, static_cast<float>(scale), c.splits, threads);
+  TORCH_CHECK_VALUE(rc == 0, "cpu_decode_attention: G = ", c.G, ", D = ", c.D, " outside the kernel's limits (G <= ",
+                    MAX_G, ", D <= ", MAX_D, " and a multiple of 16); check `fits` first");
+  return q.scalar_type() == at::kFloat ? c.out : c.out.to(q.scalar_type());
+}
+
 // q (B, Hq, 1, D) over k, v planes (B, Hkv, T, last) of `kind` with a bool mask (B|1, 1|Hkv, 1, T)
 // -> (B, Hq, 1, D) in q's dtype.
 at::Tensor cpu_decode_attention(const at::Tensor &q, at::TensorList k_in, at::TensorList v_in, const at::Tensor &mask,
                                 double scale, c10::string_view kind_name, int64_t threads) {
-  const int kind = kind_of(std::string_view(kind_name.data(), kind_name.size()));
-  const size_t planes = kind == KIND_INT4 ? 3 : kind == KIND_INT8 ? 2 : 1;
-  TORCH_CHECK(k_in.size() == planes && v_in.size() == planes, "cpu_decode_attention: ", kKinds[kind], " takes ",
-              planes, " planes a side, got ", k_in.size(), " and ", v_in.size());
-  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "cpu_decode_attention: q must be (B, Hq, 1, D), got ", q.sizes());
-  const auto k = last_contiguous(k_in), v = last_contiguous(v_in);
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(3), Hkv = k[0].size(1), T = k[0].size(2);
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "cpu_decode_attention: ", Hq, " query heads over ", Hkv, " KV heads");
-  TORCH_CHECK(mask.dim() == 4 && mask.size(2) == 1 && mask.size(3) == T && (mask.size(0) == B || mask.size(0) == 1),
-              "cpu_decode_attention: mask must be (B, 1|Hkv, 1, ", T, "), got ", mask.sizes());
-  const int64_t G = Hq / Hkv, Hm = mask.size(1), splits = max_splits(B, Hkv, threads);
-  // (B, Hq, 1, D) contiguous is (B, Hkv, G, D) in memory: a KV head's G query rows together
-  const auto q32 = q.to(at::kFloat).contiguous();
-  const auto m = mask.reshape({mask.size(0), Hm, T}).expand({B, Hm, T}).to(at::kBool).contiguous();  // (B, Hm, T)
-  auto out = at::empty({B, Hq, 1, D}, q.options().dtype(at::kFloat));
-  auto work = at::empty({splits * B * Hkv * G * (D + 2)}, q.options().dtype(at::kFloat));
-  const int64_t groups = kind == KIND_INT4 ? k[1].size(-1) : 1;
-  const int rc = decode_attention(kind, q32.data_ptr<float>(), plane(k), plane(v),
-                                  reinterpret_cast<const uint8_t *>(m.data_ptr<bool>()), Hm * T, Hm > 1 ? T : 0, Hm,
-                                  out.data_ptr<float>(), work.data_ptr<float>(), B, Hkv, G, T, D, groups,
-                                  static_cast<float>(scale), splits, threads);
-  TORCH_CHECK_VALUE(rc == 0, "cpu_decode_attention: G = ", G, ", D = ", D, " outside the kernel's limits (G <= ", MAX_G,
-              ", D <= ", MAX_D, " and a multiple of 16); check `fits` first");
-  return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
+  const Call c = prepare(q, k_in, v_in, kind_name, threads);
+  TORCH_CHECK(mask.dim() == 4 && mask.size(2) == 1 && mask.size(3) == c.T && (mask.size(0) == c.B || mask.size(0) == 1),
+              "cpu_decode_attention: mask must be (B, 1|Hkv, 1, ", c.T, "), got ", mask.sizes());
+  const int64_t Hm = mask.size(1);
+  const auto m = mask.reshape({mask.size(0), Hm, c.T}).expand({c.B, Hm, c.T}).to(at::kBool).contiguous();  // (B, Hm, T)
+  const Sight sight = {reinterpret_cast<const uint8_t *>(m.data_ptr<bool>()), nullptr, nullptr, Hm * c.T,
+                       Hm > 1 ? c.T : 0, Hm, 0};
+  return run(c, sight, q, scale, threads);
+}
+
+// The same with what each slot shows computed in the kernel: `pos` (B, Hkv, T) the slots' original
+// positions (-1 empty), `at` (B, 1) each row's query position, `window` > 0 for a sliding layer:
+// a key is seen iff 0 <= pos <= at and at - pos < window (structkv.ops.visible's rule).
+at::Tensor cpu_decode_attention_at(const at::Tensor &q, at::TensorList k_in, at::TensorList v_in, const at::Tensor &pos,
+                                   const at::Tensor &at_pos, int64_t window, double scale, c10::string_view kind_name,
+                                   int64_t threads) {
+  const Call c = prepare(q, k_in, v_in, kind_name, threads);
+  TORCH_CHECK(pos.dim() == 3 && pos.size(0) == c.B && pos.size(1) == c.Hkv && pos.size(2) == c.T &&
+                  pos.scalar_type() == at::kLong,
+              "cpu_decode_attention_at: pos must be int64 (B, Hkv, T) = (", c.B, ", ", c.Hkv, ", ", c.T, "), got ",
+              pos.scalar_type(), " ", pos.sizes());
+  TORCH_CHECK(at_pos.numel() == c.B && at_pos.scalar_type() == at::kLong,
+              "cpu_decode_attention_at: at must be int64 with one query position a row (", c.B, "), got ",
+              at_pos.scalar_type(), " ", at_pos.sizes());
+  const auto p = pos.contiguous(), a = at_pos.reshape({c.B}).contiguous();
+  const Sight sight = {nullptr, p.data_ptr<int64_t>(), a.data_ptr<int64_t>(), c.Hkv * c.T, c.T, c.Hkv, window};
+  return run(c, sight, q, scale, threads);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(structkv, CPU, m) { m.impl("cpu_decode_attention", &cpu_decode_attention); }
+TORCH_LIBRARY_IMPL(structkv, CPU, m) {
+  m.impl("cpu_decode_attention", &cpu_decode_attention);
+  m.impl("cpu_decode_attention_at", &cpu_decode_attention_at);
+}
