@@ -225,3 +225,33 @@ def test_int4_weight_read_from_the_bytes_equals_the_kernel(N, K):
     assert torch.equal(Q.int4_weight(lin.packed, lin.scale_zero, INT4_GROUP, K), kernel)
     if Q.avx512_packing() and N % Q.AVX512_ROWS == 0:  # the direct read ran: its codes are the packed ones
         assert torch.equal(Q.avx512_codes(lin.packed, N, K).int(), _int4_groups(w)[0])
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_huge_page_arena_keeps_every_buffer_and_the_numbers(monkeypatch, tiny_dir, weights):
+    """`place_on_huge_pages` (run by quantize_model on CPU where the kernel has transparent huge
+    pages): the quantized buffers become views of one arena with their shapes, dtypes and values,
+    a tied head and embedding stay one tensor, and greedy tokens equal those of a model left on
+    its own allocations (STRUCTKV_HUGE_PAGES=0)."""
+    from structkv.models import huge_pages
+    from structkv.models.quantized import QuantizedLinear
+
+    ids = torch.randint(3, 90, (20,), generator=torch.Generator().manual_seed(5)).tolist()
+    monkeypatch.setenv("STRUCTKV_HUGE_PAGES", "0")
+    plain = structkv.load(tiny_dir("gemma3_text"), weights=weights)
+    want = structkv.generate(plain, ids, max_new_tokens=6).token_ids
+    assert huge_pages.place_on_huge_pages(plain, (QuantizedLinear,), minimum=0) == 0  # turned off: untouched
+    monkeypatch.setenv("STRUCTKV_HUGE_PAGES", "1")
+    if not huge_pages.enabled():
+        pytest.skip(f"no transparent huge pages here (mode {huge_pages.thp_mode()})")
+    model = structkv.load(tiny_dir("gemma3_text"), weights=weights)
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    moved = huge_pages.place_on_huge_pages(model, (QuantizedLinear,), minimum=0)
+    assert moved > 0
+    storages = {b.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, QuantizedLinear)
+                for b in m.buffers()}
+    assert len(storages) == 1  # one arena
+    for n, b in model.named_buffers():
+        assert b.dtype == before[n].dtype and torch.equal(b, before[n]), n
+    assert model.lm_head.tiles is model.model.embed_tokens.table.tiles  # tied: still one tensor
+    assert structkv.generate(model, ids, max_new_tokens=6).token_ids == want

@@ -41,6 +41,7 @@ from ..ops.quantized_linear import (
     int8_row_fused,
 )
 from ..util.compiling import forget_structure
+from .huge_pages import place_on_huge_pages
 
 WEIGHTS = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP = 32  # GGUF's block size (Q4_0, Q4_1, Q5_0, Q8_0); the kernel takes 32, 64, 128 or 256
@@ -282,4 +283,5 @@ def quantize_model(model, weights: str, fuse: bool = True) -> None:
     table = head if tied else QuantizedLinear.from_weight(model.model.embed_tokens.weight, outer)
     model.lm_head, model.model.embed_tokens = head, QuantizedEmbedding(table, dtype)
     model.weights = weights
+    place_on_huge_pages(model, (QuantizedLinear,))  # decode streams them: 2 MB pages (structkv.models.huge_pages)
     forget_structure(model)  # its modules changed in place: compiled graphs must not take it for the old one
