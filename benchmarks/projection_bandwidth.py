@@ -180,6 +180,9 @@ def main() -> None:
     p.add_argument("--kinds", default="float32,bf16,int8_packed,int8_fused,int4_packed,int8_cpp,int8_vnni")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--huge-pages", choices=["none", "quantized", "all"], default="none",
+                   help="put the stored weights on transparent huge pages as the library puts its quantized "
+                        "ones (structkv.models.huge_pages): the quantized candidates only, or the float ones too")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     import structkv
@@ -195,6 +198,21 @@ def main() -> None:
         load_cpp("int4_gemv")
     quantized = {}
     built = {k: build(k, weights, quantized) for k in kinds}
+    if a.huge_pages != "none":
+        from structkv.models.huge_pages import place_on_huge_pages
+
+        for k, (stored, _) in built.items():
+            if a.huge_pages == "all" or k not in ("float32", "bf16"):
+                holder = torch.nn.Module()  # the stored tensors (or modules' buffers) as one module's
+                for i, t in enumerate(stored):
+                    if isinstance(t, torch.Tensor):
+                        holder.register_buffer(f"w{i}", t)
+                    else:
+                        holder.add_module(f"m{i}", t)
+                moved = place_on_huge_pages(holder, (torch.nn.Module,))
+                if isinstance(stored[0], torch.Tensor):
+                    stored[:] = [getattr(holder, f"w{i}") for i in range(len(stored))]
+                print(f"{k}: {moved / 1e6:.1f} MB on huge pages", flush=True)
     runs = {k: runner(k, *built[k]) for k in built}
     times = {k: [] for k in built}
     for _ in range(2):  # warm: compiles, page-in
