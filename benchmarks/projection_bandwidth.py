@@ -21,6 +21,10 @@ two C++ candidates built here with g++ (`benchmarks/kernels/int8_gemv.cpp`, AVX-
 The weights are random (the bandwidth does not depend on the values); each candidate's largest
 error against the float product of the same codes is printed (relative to the output's scale).
 
+Every candidate gets its stored tensors as bare tensors (`Plain`) and the library's ops by their
+overload (`.default`), as the compiled decode step passes and calls them. `--fused` times the four
+products a quantized decoder layer runs (q, k, v as one; gate, up as one) for every candidate.
+
     python benchmarks/projection_bandwidth.py --model smollm2 --threads 1
 """
 from __future__ import annotations
@@ -33,10 +37,13 @@ import torch
 import torch.nn.functional as F
 
 
-def shapes(config) -> list[tuple[int, int]]:
-    """(out, in) of one layer's projections: q, k, v, o, gate, up, down."""
+def shapes(config, fused: bool = False) -> list[tuple[int, int]]:
+    """(out, in) of one layer's projections: q, k, v, o, gate, up, down; `fused`: qkv, o, gate_up,
+    down, the four products a quantized decoder layer runs (`quantized.fuse_projections`)."""
     E, D, I = config.hidden_size, config.head_dim, config.intermediate_size
     q, kv = config.num_heads * D, config.num_kv_heads * D
+    if fused:
+        return [(q + 2 * kv, E), (E, q), (2 * I, E), (E, I)]
     return [(q, E), (kv, E), (kv, E), (E, q), (I, E), (I, E), (E, I)]
 
 
@@ -64,10 +71,10 @@ def build(kind: str, weights: list[torch.Tensor], quantized: dict):
         return mods, lambda x, m: op(x, m.codes, m.scales)
     if kind == "int4_tiled":  # the library's kernels (structkv/ops/csrc/tiled_linear.cpp), the same codes
         return ([QuantizedLinear.from_weight(m.dequantize(), "int4", layout="tiled") for m in mods],
-                lambda x, m: torch.ops.structkv.int4_tiled_linear(x, m.tiles, m.tile_scale, m.tile_min, 128))
+                lambda x, m: torch.ops.structkv.int4_tiled_linear.default(x, m.tiles, m.tile_scale, m.tile_min, 128))
     if kind == "int8_tiled":
         return ([QuantizedLinear.from_weight(m.dequantize(), "int8", layout="tiled") for m in mods],
-                lambda x, m: torch.ops.structkv.int8_tiled_linear(x, m.tiles, m.scales, 128))
+                lambda x, m: torch.ops.structkv.int8_tiled_linear.default(x, m.tiles, m.scales, 128))
     if kind in ("int4_cpp", "int4_vnni"):  # `Int4Rows`' layout read by benchmarks/kernels/int4_gemv.cpp
         op = getattr(torch.ops.structkv_bench4, "int4_gemv" if kind == "int4_cpp" else "int4_vnni")
         return ([Int4Rows(m.dequantize()) for m in mods],
@@ -155,6 +162,22 @@ def nbytes(stored) -> int:
     return sum(s.numel() * s.element_size() if isinstance(s, torch.Tensor) else s.nbytes() for s in stored)
 
 
+class Plain:
+    """A quantized module's buffers as plain attributes. Why: the decode step's compiled graph takes
+    them as inputs, while `module.tiles` costs ~0.7 us through nn.Module's lookup (~2 us a product for
+    three tables: ~10 % of an int4 pass), a cost the float32 candidate's bare tensors do not pay."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.__dict__.update(dict(module.named_buffers()))
+        self.module, self.in_features = module, module.in_features
+
+    def dequantize(self) -> torch.Tensor:
+        return self.module.dequantize()
+
+    def nbytes(self) -> int:
+        return self.module.nbytes()
+
+
 def runner(kind: str, stored, product):
     """One pass over every weight: eager, or for `int8_fused` one compiled graph (its products
     are inductor loops, as inside the compiled decode step; a graph per product would time the
@@ -180,6 +203,9 @@ def main() -> None:
     p.add_argument("--kinds", default="float32,bf16,int8_packed,int8_fused,int4_packed,int8_cpp,int8_vnni")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--fused", action="store_true",
+                   help="q, k, v as one product and gate, up as one, for every candidate (as a quantized "
+                        "decoder runs them: 4 products a layer); default: 7 separate products")
     p.add_argument("--huge-pages", choices=["none", "quantized", "all"], default="none",
                    help="put the stored weights on transparent huge pages as the library puts its quantized "
                         "ones (structkv.models.huge_pages): the quantized candidates only, or the float ones too")
@@ -189,7 +215,7 @@ def main() -> None:
 
     config = structkv.load(a.model).config  # the shapes only
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(o, i, generator=g) * 0.02 for _ in range(config.num_layers) for o, i in shapes(config)]
+    weights = [torch.randn(o, i, generator=g) * 0.02 for _ in range(config.num_layers) for o, i in shapes(config, a.fused)]
     rows = {i: torch.randn(1, i, generator=g) for i in {w.shape[1] for w in weights}}
     kinds = a.kinds.split(",")
     if {"int8_cpp", "int8_vnni"} & set(kinds):
@@ -213,6 +239,8 @@ def main() -> None:
                 if isinstance(stored[0], torch.Tensor):
                     stored[:] = [getattr(holder, f"w{i}") for i in range(len(stored))]
                 print(f"{k}: {moved / 1e6:.1f} MB on huge pages", flush=True)
+    built = {k: ([Plain(s) if isinstance(s, torch.nn.Module) else s for s in stored], product)
+             for k, (stored, product) in built.items()}  # after the huge pages: they rebind the buffers
     runs = {k: runner(k, *built[k]) for k in built}
     times = {k: [] for k in built}
     for _ in range(2):  # warm: compiles, page-in
@@ -221,7 +249,7 @@ def main() -> None:
     for _ in range(a.rounds):
         for k in built:
             times[k].append(one_pass(runs[k], rows))
-    print(f"{a.model}: {config.num_layers} layers x 7 projections, one row, {a.threads} thread(s), "
+    print(f"{a.model}: {config.num_layers} layers x {len(shapes(config, a.fused))} products, one row, {a.threads} thread(s), "
           f"median of {a.rounds} alternated rounds\n")
     print("| kernel | ms per pass | weight MB | GB/s | of float32's GB/s | largest error (relative) |")
     print("|---|---|---|---|---|---|")
