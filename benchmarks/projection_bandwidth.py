@@ -215,7 +215,8 @@ def main() -> None:
 
     config = structkv.load(a.model).config  # the shapes only
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(o, i, generator=g) * 0.02 for _ in range(config.num_layers) for o, i in shapes(config, a.fused)]
+    layer = shapes(config, a.fused)
+    weights = [torch.randn(o, i, generator=g) * 0.02 for _ in range(config.num_layers) for o, i in layer]
     rows = {i: torch.randn(1, i, generator=g) for i in {w.shape[1] for w in weights}}
     kinds = a.kinds.split(",")
     if {"int8_cpp", "int8_vnni"} & set(kinds):
@@ -249,7 +250,7 @@ def main() -> None:
     for _ in range(a.rounds):
         for k in built:
             times[k].append(one_pass(runs[k], rows))
-    print(f"{a.model}: {config.num_layers} layers x {len(shapes(config, a.fused))} products, one row, {a.threads} thread(s), "
+    print(f"{a.model}: {config.num_layers} layers x {len(layer)} products, one row, {a.threads} thread(s), "
           f"median of {a.rounds} alternated rounds\n")
     print("| kernel | ms per pass | weight MB | GB/s | of float32's GB/s | largest error (relative) |")
     print("|---|---|---|---|---|---|")

@@ -4,9 +4,10 @@ by round; the median ms a pass and its GB/s.
 
 Why: a change inside the int4 / int8 kernels (a prefetch, an unrolling) moves a pass by a few
 percent, less than a shared machine drifts between two runs; builds loaded into one process and
-alternated see the same minutes. Each source is built with g++ -O3 -march=native (plus `--flags`,
-e.g. `-mno-avx512f` for the AVX2 path on an AVX-512 machine) under its own op namespace, checked
-against the float product of its codes, then timed. The weights are random (the time does not
+alternated see the same minutes. Each source is built as the library builds its own (plus `--flags`,
+e.g. `-mno-avx512f` for the AVX2 path on an AVX-512 machine) under its own op namespace
+(`tiled_linear.build_variant`), checked against the float product of its codes, then
+timed. The weights are random (the time does not
 depend on the values) and placed on huge pages as `quantize_model` places them.
 
     git show HEAD~1:structkv/ops/csrc/tiled_linear.cpp > /tmp/before.cpp
@@ -15,39 +16,11 @@ depend on the values) and placed on huge pages as `quantize_model` places them.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-SCHEMAS = ("int4_tiled_linear(Tensor x, Tensor codes, Tensor scale, Tensor lo, int dense_rows) -> Tensor",
-           "int4_tiled_weight(Tensor codes, Tensor scale, Tensor lo) -> Tensor",
-           "int8_tiled_linear(Tensor x, Tensor codes, Tensor scales, int dense_rows) -> Tensor",
-           "int8_tiled_weight(Tensor codes, Tensor scales) -> Tensor")
-
-
-def build(source: str, namespace: str, flags: list[str]) -> torch.library.Library:
-    """`source` compiled with its ops registered under `namespace` (kept alive by the returned library)."""
-    from torch.utils import cpp_extension
-
-    text = Path(source).read_text().replace("TORCH_LIBRARY_IMPL(structkv,", f"TORCH_LIBRARY_IMPL({namespace},")
-    text = text.replace("structkv_tiled_linear_isa", f"{namespace}_isa")  # one exported name per build
-    out = Path(tempfile.mkdtemp())
-    (out / "k.cpp").write_text(text)
-    lib = torch.library.Library(namespace, "DEF")
-    for schema in SCHEMAS:
-        lib.define(schema)
-    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
-    subprocess.run(["g++", "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", "-std=c++17", abi,
-                    *(f"-I{p}" for p in cpp_extension.include_paths()), str(out / "k.cpp"), "-o", str(out / "k.so"),
-                    f"-L{torch_lib}", "-ltorch", "-ltorch_cpu", "-lc10"], check=True, capture_output=True)
-    torch.ops.load_library(str(out / "k.so"))
-    return lib
 
 
 def product(namespace: str, bits: str):
@@ -72,8 +45,9 @@ def main() -> None:
                     help="read this many MB between passes (as projection_bandwidth.py's float32 pass does)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    import structkv
     from projection_bandwidth import shapes
+
+    import structkv
     from structkv.models.huge_pages import place_on_huge_pages
     from structkv.models.quantized import QuantizedLinear
 
@@ -86,7 +60,9 @@ def main() -> None:
     place_on_huge_pages(holder, (torch.nn.Module,))
     mods = list(holder.children())
     rows = {m.in_features: torch.randn(1, m.in_features, generator=g) for m in mods}
-    keep = [build(s, f"structkv_variant{j}", a.flags.split()) for j, s in enumerate(a.sources)]
+    from structkv.ops.tiled_linear import build_variant
+
+    keep = [build_variant(f"structkv_variant{j}", a.flags.split(), Path(s))[0] for j, s in enumerate(a.sources)]
     runs = []
     for j, s in enumerate(a.sources):
         run, tensors = product(f"structkv_variant{j}", a.bits)

@@ -1,9 +1,13 @@
 """structkv's tiled int4 / int8 kernels (`structkv::int4_tiled_linear`, `structkv::int8_tiled_linear`,
 C++ built on first use) against plain-PyTorch references of the same arithmetic (hypothesis over
-shapes and rows), their error against the float product bounded by the activations' rounding, the
+shapes and rows; on every vector path this CPU runs, the AVX2 and scalar ones built again on an
+AVX-512 machine), their error against the float product bounded by the activations' rounding, the
 layouts' round trips and row lookup, GGUF Q4_1 blocks kept exactly, the ops' registration
 (opcheck), clear errors on bad input, generation on either layout, and the fallback to PyTorch's
 packed kernels where they do not build."""
+import functools
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,9 +34,32 @@ def int8_of(w):
     return lin.tiles, lin.scales
 
 
-def run(kind, x, stored, dense_rows=128):
-    op = torch.ops.structkv.int4_tiled_linear if kind == "int4" else torch.ops.structkv.int8_tiled_linear
+def run(kind, x, stored, dense_rows=128, namespace="structkv"):
+    ops = getattr(torch.ops, namespace)
+    op = ops.int4_tiled_linear if kind == "int4" else ops.int8_tiled_linear
     return op(x, *stored, dense_rows)
+
+
+OTHER_PATHS = {"avx2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"]}
+
+
+@functools.cache
+def build_of(path):
+    """(namespace, library) of the ops running `path`: "native" is the library's own build; "avx2" and
+    "portable" the same source built again for them (`build_variant`) where this CPU runs them, so an
+    AVX-512 machine checks the AVX2 and scalar code it never runs by default."""
+    if path == "native":
+        return "structkv", None
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"the {path} path is built by x86 flags")
+    if path == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU has no AVX2")
+    lib, isa = T.build_variant(f"structkv_{path}_path", OTHER_PATHS[path])
+    assert isa == path, f"{OTHER_PATHS[path]} built the {isa} path"
+    return f"structkv_{path}_path", lib
+
+
+PATHS = pytest.mark.parametrize("path", ["native", "avx2", "portable"])
 
 
 def reference(kind, x, stored):
@@ -43,22 +70,25 @@ def stored_weight(kind, stored):
     return T.int4_weight(*stored) if kind == "int4" else T.unpack_int8(stored[0]).float() * stored[1].float()[:, None]
 
 
+@PATHS
 @settings(max_examples=30, deadline=None)
 @given(kind=st.sampled_from(["int4", "int8"]), tiles=st.integers(1, 6), groups=st.integers(1, 8),
        rows=st.integers(1, 6), seed=st.integers(0, 2**16), spread=st.sampled_from([1e-3, 0.02, 3.0]))
-def test_kernel_equals_the_reference_of_its_arithmetic(kind, tiles, groups, rows, seed, spread):
-    """Few rows: the same integer products and float scales as the reference, up to float32 sums."""
+def test_kernel_equals_the_reference_of_its_arithmetic(path, kind, tiles, groups, rows, seed, spread):
+    """Few rows: the same integer products and float scales as the reference, up to float32 sums, on
+    every vector path this CPU runs."""
     N, K = 16 * tiles, 32 * groups
     stored = (int4_of if kind == "int4" else int8_of)(weight_of(N, K, seed, spread))
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(seed + 1)) * spread
-    out, ref = run(kind, x, stored), reference(kind, x, stored)
+    out, ref = run(kind, x, stored, namespace=build_of(path)[0]), reference(kind, x, stored)
     assert out.shape == (rows, N) and out.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=0, atol=float(ref.abs().max()) * 1e-5 + 1e-30)
 
 
+@PATHS
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_activations_round_as_the_reference_at_ties_and_zero_groups(kind):
-    """The vectorised quantization of x (AVX-512 / AVX2 / scalar, whichever this CPU built) gives the
+def test_activations_round_as_the_reference_at_ties_and_zero_groups(path, kind):
+    """The vectorised quantization of x (AVX-512 / AVX2 / scalar, each path this CPU runs) gives the
     reference's codes where rounding is decided by ties to even, in an all-zero group (scale 1) and
     at the group's extremes, in a second row too: any code off by one would move an output by a
     whole step of the weight."""
@@ -69,7 +99,7 @@ def test_activations_round_as_the_reference_at_ties_and_zero_groups(kind):
     codes, scale, _ = T.quantize_activations(x)
     assert torch.equal(codes[0, 32:42], torch.tensor([127, -127, 0, 2, 2, 0, -2, -2, 126, -126], dtype=torch.int8))
     assert torch.equal(scale[0, 0], torch.tensor(1.0))  # the zero group's scale
-    out, ref = run(kind, x, stored), reference(kind, x, stored)
+    out, ref = run(kind, x, stored, namespace=build_of(path)[0]), reference(kind, x, stored)
     torch.testing.assert_close(out, ref, rtol=0, atol=float(ref.abs().max()) * 1e-6)
 
 

@@ -33,17 +33,19 @@ from pathlib import Path
 
 import torch
 
-from .building import native_library, torch_extension_flags
+from .building import build_library, find_compiler, native_library, torch_extension_flags
 
 SOURCE = Path(__file__).parent / "csrc" / "tiled_linear.cpp"
 GROUP, ROWS, STEP = 32, 16, 8  # columns a group, rows a tile, int4 columns a step (csrc: kGroup, kRows, kStep)
 FAST = ("avx512_vnni", "avx2")  # the vector paths; "portable" is correct but slower than the packed kernel
 
+_LIB_SCHEMAS = ("int4_tiled_linear(Tensor x, Tensor codes, Tensor scale, Tensor lo, int dense_rows) -> Tensor",
+                "int4_tiled_weight(Tensor codes, Tensor scale, Tensor lo) -> Tensor",
+                "int8_tiled_linear(Tensor x, Tensor codes, Tensor scales, int dense_rows) -> Tensor",
+                "int8_tiled_weight(Tensor codes, Tensor scales) -> Tensor")
 _LIB = torch.library.Library("structkv", "FRAGMENT")
-_LIB.define("int4_tiled_linear(Tensor x, Tensor codes, Tensor scale, Tensor lo, int dense_rows) -> Tensor")
-_LIB.define("int4_tiled_weight(Tensor codes, Tensor scale, Tensor lo) -> Tensor")
-_LIB.define("int8_tiled_linear(Tensor x, Tensor codes, Tensor scales, int dense_rows) -> Tensor")
-_LIB.define("int8_tiled_weight(Tensor codes, Tensor scales) -> Tensor")
+for _schema in _LIB_SCHEMAS:
+    _LIB.define(_schema)
 
 
 @torch.library.register_fake("structkv::int4_tiled_linear", lib=_LIB)
@@ -80,6 +82,34 @@ def _load() -> tuple[str | None, str]:
         return None, f"the tiled int4 / int8 kernels could not be loaded: {e}"
     isa.restype = ctypes.c_char_p
     return isa().decode(), ""
+
+
+def build_variant(namespace: str, extra_flags: list[str] = (), source: Path = SOURCE):
+    """`source` built again with `extra_flags` appended (`-mno-avx512f`: the AVX2 path on an AVX-512
+    CPU; `-mno-avx2 -mno-avx512f`: the portable one) and its ops registered under `namespace`
+    instead of `structkv`, beside the library's own build. Why: a machine runs one path by default;
+    the tests check the others against the same references there, and benchmarks alternate builds
+    of the kernel in one process. Returns (the torch.library.Library holding the schemas: keep it
+    alive while the ops are used, the path the build compiled). Raises RuntimeError when it fails."""
+    import tempfile
+
+    compiler = find_compiler("CXX", ("c++", "g++", "clang++"))
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (c++, g++, clang++; or $CXX) on PATH")
+    text = source.read_text().replace("TORCH_LIBRARY_IMPL(structkv,", f"TORCH_LIBRARY_IMPL({namespace},")
+    text = text.replace("structkv_tiled_linear_isa", f"{namespace}_isa")  # one exported name per build
+    flags, libs = torch_extension_flags()
+    with tempfile.TemporaryDirectory() as tmp:  # the renamed source; the build is cached by its text
+        renamed = Path(tmp) / f"{source.stem}_{namespace}.cpp"
+        renamed.write_text(text)
+        lib_path = build_library(renamed, compiler, [*flags, *extra_flags], libs, salt=torch.__version__)
+    lib = torch.library.Library(namespace, "DEF")
+    for schema in _LIB_SCHEMAS:
+        lib.define(schema)
+    torch.ops.load_library(str(lib_path))
+    isa = getattr(ctypes.CDLL(str(lib_path)), f"{namespace}_isa")
+    isa.restype = ctypes.c_char_p
+    return lib, isa().decode()
 
 
 def loaded() -> bool:
