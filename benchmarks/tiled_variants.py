@@ -6,9 +6,9 @@ Why: a change inside the int4 / int8 kernels (a prefetch, an unrolling) moves a 
 percent, less than a shared machine drifts between two runs; builds loaded into one process and
 alternated see the same minutes. Each source is built as the library builds its own (plus `--flags`,
 e.g. `-mno-avx512f` for the AVX2 path on an AVX-512 machine) under its own op namespace
-(`tiled_linear.build_variant`), checked against the float product of its codes, then
-timed. The weights are random (the time does not
-depend on the values) and placed on huge pages as `quantize_model` places them.
+(`tiled_linear.build_variant`), checked against the float product of its codes, then timed. The
+weights are random (the time does not depend on the values) and placed on huge pages as
+`quantize_model` places them.
 
     git show HEAD~1:structkv/ops/csrc/tiled_linear.cpp > /tmp/before.cpp
     python benchmarks/tiled_variants.py /tmp/before.cpp structkv/ops/csrc/tiled_linear.cpp --threads 2
@@ -50,6 +50,7 @@ def main() -> None:
     import structkv
     from structkv.models.huge_pages import place_on_huge_pages
     from structkv.models.quantized import QuantizedLinear
+    from structkv.ops.tiled_linear import build_variant
 
     config = structkv.load(a.model).config  # the shapes only
     g = torch.Generator().manual_seed(0)
@@ -60,8 +61,6 @@ def main() -> None:
     place_on_huge_pages(holder, (torch.nn.Module,))
     mods = list(holder.children())
     rows = {m.in_features: torch.randn(1, m.in_features, generator=g) for m in mods}
-    from structkv.ops.tiled_linear import build_variant
-
     keep = [build_variant(f"structkv_variant{j}", a.flags.split(), Path(s))[0] for j, s in enumerate(a.sources)]
     runs = []
     for j, s in enumerate(a.sources):

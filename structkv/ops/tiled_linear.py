@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .building import build_library, find_compiler, native_library, torch_extension_flags
+from .building import native_library, torch_extension_flags
 
 SOURCE = Path(__file__).parent / "csrc" / "tiled_linear.cpp"
 GROUP, ROWS, STEP = 32, 16, 8  # columns a group, rows a tile, int4 columns a step (csrc: kGroup, kRows, kStep)
@@ -68,48 +68,54 @@ def _(codes, scales):
     return codes.new_empty(codes.shape[0] * ROWS, codes.shape[1] * 4, dtype=torch.float32)
 
 
+def _build(source: Path, extra_flags: list[str] = ()) -> tuple[Path | None, str]:
+    """The shared library of `source` built as the library builds its own, `extra_flags` appended."""
+    flags, libs = torch_extension_flags()
+    return native_library(source, "CXX", ("c++", "g++", "clang++"), [*flags, *extra_flags], libs,
+                          salt=torch.__version__, what="the tiled int4 / int8 kernels")
+
+
+def _load_isa(lib: Path, symbol: str) -> str:
+    """Load `lib`'s ops into the dispatcher; the path it compiled, as its exported `symbol` names it."""
+    torch.ops.load_library(str(lib))
+    isa = getattr(ctypes.CDLL(str(lib)), symbol)
+    isa.restype = ctypes.c_char_p
+    return isa().decode()
+
+
 @functools.cache
 def _load() -> tuple[str | None, str]:
     """(the instruction set the build compiled for, "") or (None, why not)."""
-    lib, why = native_library(SOURCE, "CXX", ("c++", "g++", "clang++"), *torch_extension_flags(),
-                              salt=torch.__version__, what="the tiled int4 / int8 kernels")
+    lib, why = _build(SOURCE)
     if lib is None:
         return None, why
     try:
-        torch.ops.load_library(str(lib))
-        isa = ctypes.CDLL(str(lib)).structkv_tiled_linear_isa
-    except (OSError, RuntimeError) as e:
+        return _load_isa(lib, "structkv_tiled_linear_isa"), ""
+    except (OSError, RuntimeError, AttributeError) as e:
         return None, f"the tiled int4 / int8 kernels could not be loaded: {e}"
-    isa.restype = ctypes.c_char_p
-    return isa().decode(), ""
 
 
 def build_variant(namespace: str, extra_flags: list[str] = (), source: Path = SOURCE):
     """`source` built again with `extra_flags` appended (`-mno-avx512f`: the AVX2 path on an AVX-512
-    CPU; `-mno-avx2 -mno-avx512f`: the portable one) and its ops registered under `namespace`
-    instead of `structkv`, beside the library's own build. Why: a machine runs one path by default;
-    the tests check the others against the same references there, and benchmarks alternate builds
-    of the kernel in one process. Returns (the torch.library.Library holding the schemas: keep it
-    alive while the ops are used, the path the build compiled). Raises RuntimeError when it fails."""
+    CPU; `-mno-avx512f -mno-avx2 -mno-fma -mno-f16c`: the portable one) and its ops registered under
+    `namespace` instead of `structkv`, beside the library's own build. Why: a machine runs one path by
+    default; the tests check the others against the same references there, and benchmarks alternate
+    builds of the kernel in one process. Returns (the torch.library.Library holding the schemas: keep
+    it alive while the ops are used, the path the build compiled). Raises RuntimeError when it fails."""
     import tempfile
 
-    compiler = find_compiler("CXX", ("c++", "g++", "clang++"))
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (c++, g++, clang++; or $CXX) on PATH")
     text = source.read_text().replace("TORCH_LIBRARY_IMPL(structkv,", f"TORCH_LIBRARY_IMPL({namespace},")
     text = text.replace("structkv_tiled_linear_isa", f"{namespace}_isa")  # one exported name per build
-    flags, libs = torch_extension_flags()
     with tempfile.TemporaryDirectory() as tmp:  # the renamed source; the build is cached by its text
         renamed = Path(tmp) / f"{source.stem}_{namespace}.cpp"
         renamed.write_text(text)
-        lib_path = build_library(renamed, compiler, [*flags, *extra_flags], libs, salt=torch.__version__)
+        lib_path, why = _build(renamed, extra_flags)
+    if lib_path is None:
+        raise RuntimeError(why)
     lib = torch.library.Library(namespace, "DEF")
     for schema in _LIB_SCHEMAS:
         lib.define(schema)
-    torch.ops.load_library(str(lib_path))
-    isa = getattr(ctypes.CDLL(str(lib_path)), f"{namespace}_isa")
-    isa.restype = ctypes.c_char_p
-    return lib, isa().decode()
+    return lib, _load_isa(lib_path, f"{namespace}_isa")
 
 
 def loaded() -> bool:
