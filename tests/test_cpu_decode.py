@@ -4,6 +4,8 @@ holes or per KV head, views of larger buffers, 1-2 threads and key-range splits 
 the positions op against the mask op for `visible`'s masks (hypothesis); the ops' registration
 (opcheck); the fallback where it cannot be built; and generation through
 it equal to generation without it, eager and compiled."""
+import warnings
+
 import pytest
 import torch
 from hypothesis import given
@@ -133,8 +135,8 @@ def test_shapes_past_the_limits_are_refused_by_fits():
 @pytest.mark.parametrize("env, reason", [({"STRUCTKV_CPU_KERNELS": "0"}, "STRUCTKV_CPU_KERNELS=0"),
                                          ({"CXX": "/nonexistent/c++"}, "could not be built")])
 def test_without_the_kernel_caches_fall_back_to_sdpa(monkeypatch, tmp_path, tiny_dir, env, reason):
-    """Turned off, or no working compiler: `available()` says why, a cache made then runs
-    PyTorch's SDPA, and generation is the same."""
+    """Turned off, or no working compiler: `available()` says why (a failed build also warns: it is
+    not what the user asked for), a cache made then runs PyTorch's SDPA, and generation is the same."""
     model = structkv.load(tiny_dir("llama"))
     ids = torch.randint(3, 90, (20,), generator=torch.Generator().manual_seed(2)).tolist()
     want = structkv.generate(model, ids, max_new_tokens=6)
@@ -143,7 +145,11 @@ def test_without_the_kernel_caches_fall_back_to_sdpa(monkeypatch, tmp_path, tiny
     monkeypatch.setenv("STRUCTKV_CACHE", str(tmp_path))  # no earlier build to find
     cpu_decode._load.cache_clear()
     try:
-        assert not cpu_decode.available() and reason in cpu_decode.unavailable_reason()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            assert not cpu_decode.available() and reason in cpu_decode.unavailable_reason()
+        warned = [str(w.message) for w in said if issubclass(w.category, RuntimeWarning)]
+        assert bool(warned) == ("CXX" in env) and all("falls back" in w for w in warned), warned
         got = structkv.generate(model, ids, max_new_tokens=6)
     finally:
         cpu_decode._load.cache_clear()

@@ -11,6 +11,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 
@@ -67,11 +68,21 @@ def native_library(source: Path, compiler_env: str, compilers: tuple[str, ...], 
         return None, "STRUCTKV_CPU_KERNELS=0"
     compiler = find_compiler(compiler_env, compilers)
     if compiler is None:
-        return None, f"no compiler ({', '.join(compilers)}; or ${compiler_env}) on PATH"
+        return _fallback(f"no compiler ({', '.join(compilers)}; or ${compiler_env}) on PATH", what)
+    if not source.exists():
+        return _fallback(f"{what}'s source {source.name} is missing from the installed package (reinstall "
+                         "structkv from a wheel or checkout that has structkv/ops/csrc)", what)
     try:
         return build_library(source, compiler, flags, libs, salt), ""
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        return None, f"{what} could not be built: {e}"
+        return _fallback(f"{what} could not be built: {e}", what)
+
+
+def _fallback(why: str, what: str) -> tuple[None, str]:
+    """(None, why), said once where it happens: the reference path is correct but several times
+    slower, and a user who expects the native kernel should not find out from a timing."""
+    warnings.warn(f"structkv: {why}; {what} falls back to its slower PyTorch reference", RuntimeWarning, stacklevel=3)
+    return None, why
 
 
 def torch_extension_flags() -> tuple[list[str], list[str]]:
