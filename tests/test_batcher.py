@@ -182,3 +182,21 @@ def test_compiled_batch_step_does_not_recompile_as_rows_join_and_leave(tiny_dir,
     assert [r.tokens for r in rows] == want
     assert len(shapes) >= 6  # a graph per shape would have compiled this many
     assert counters["stats"]["unique_graphs"] - before <= graphs
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 1e-38, 1e-12])
+def test_a_tiny_temperature_is_greedy_and_harms_no_other_row(tiny_dir, temperature):
+    """A temperature inside the API's range but so small that logits / t overflows float32 (it made
+    `multinomial` raise, failing every row of the step) decodes as its limit, greedy, and the
+    greedy row beside it gets its lone answer."""
+    model = structkv.load(tiny_dir("llama"))
+    ids = [prompt(30, 0), prompt(50, 1)]
+    want = [alone(model, p, "full", 6, {}) for p in ids]
+    batch = Batch(model)
+    batch.eos = set()
+    rows = [row(model, ids[0], "full", 6, {"temperature": temperature, "seed": 1}), row(model, ids[1], "full", 6, {})]
+    for r in rows:
+        batch.join(r)
+    while len(batch):
+        batch.step()
+    assert [r.tokens for r in rows] == want

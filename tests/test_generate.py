@@ -2,6 +2,8 @@
 import pytest
 import torch
 from conftest import ARCHS
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import structkv
@@ -138,3 +140,19 @@ def test_device_mismatch(tiny_dir):
     model = structkv.load(tiny_dir("llama"))
     with pytest.raises(ValueError, match="is on meta but the model is on cpu"):
         structkv.generate(model, torch.tensor([1, 2, 3], device="meta"), compile=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(min_value=0, max_value=2), st.integers(0, 2**31 - 1), st.floats(min_value=0.01, max_value=1))
+def test_sample_gives_a_token_at_every_temperature_in_range(temperature, seed, top_p):
+    """Any temperature the API accepts gives a valid token per row (never NaN probabilities), and one
+    below float32's smallest normal number gives the argmax, its limit."""
+    from structkv.runtime.decoding import sample
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 50, generator=g) * 30
+    for k, p in ((None, None), (5, None), (None, top_p)):
+        tok = sample(logits, temperature, k, p, torch.Generator().manual_seed(seed))
+        assert tok.shape == (3,) and ((0 <= tok) & (tok < 50)).all()
+        if temperature < torch.finfo(torch.float32).tiny:
+            assert torch.equal(tok, logits.argmax(-1))

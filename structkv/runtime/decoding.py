@@ -93,10 +93,15 @@ def eos_ids(model) -> tuple[int, ...]:
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
            generator: torch.Generator | None) -> torch.Tensor:
-    """Next token per row from logits (B, V): greedy at temperature 0, else top-k / nucleus sampling."""
-    if temperature == 0:
+    """Next token per row from logits (B, V): greedy at temperature 0, else top-k / nucleus sampling.
+
+    Temperatures too small for float32 (below its smallest normal number, where 1 / t overflows)
+    sample their limit, the argmax. Above that, logits are shifted by their maximum before the
+    division, so the largest is 0 and the rest finite or -inf: never inf - inf, never NaN, and one
+    row's tiny temperature cannot make `multinomial` fail the rows sampled beside it."""
+    if temperature < torch.finfo(torch.float32).tiny:
         return logits.argmax(-1)
-    logits = logits / temperature
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k is not None:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
