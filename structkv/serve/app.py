@@ -13,6 +13,7 @@ import time
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -67,7 +68,8 @@ def make_app(engine: Engine, max_request_bytes: int = 16 << 20, *, api_key: str 
     guard = Middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins,
                        refused=engine.metrics.request)
     app = Starlette(routes=routes, lifespan=_lifespan(shutdown), middleware=[guard],
-                    exception_handlers={404: _not_found, 405: _not_allowed, 500: _internal})
+                    exception_handlers={404: _not_found, 405: _not_allowed, ClientDisconnect: _client_gone,
+                                        500: _internal})
     app.state.engine = engine
     return app
 
@@ -202,6 +204,12 @@ async def _not_found(request, exc):
 
 async def _not_allowed(request, exc):
     return _error(APIError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed"))
+
+
+async def _client_gone(request, exc):
+    """The client left before its body arrived: nobody to answer and nothing wrong with the server,
+    so no traceback (a client leaving mid-body on purpose could fill the disk with them)."""
+    return Response(status_code=400, headers={"connection": "close"})
 
 
 async def _internal(request, exc):
