@@ -516,9 +516,4 @@ def _split_at_context(tok, messages, context):
     first = next(i for i, m in enumerate(messages) if m["role"] == "user")
     marked = [dict(m) for m in messages]
     marked[first]["content"] = context + chat.SENTINEL + SEPARATOR + marked[first]["content"]
-    text = chat.render(tok, marked)
-    if text.count(chat.SENTINEL) != 1:
-        raise ValueError("this model's chat template does not place the user's content once, so a context cannot be "
-                         "cached; put the document in a message instead")
-    before, after = text.split(chat.SENTINEL)
-    return tok.encode(before, add_bos=False), tok.encode(after, add_bos=False)
+    return chat.encode_split(tok, marked, chat.SENTINEL)  # control text in the document or question stays text

@@ -34,6 +34,7 @@ class Tokenizer:
         self._tok = tok
         self.bos_id, self.eos_ids, self.pad_id, self.add_bos = bos_id, tuple(eos_ids), pad_id, add_bos
         self.chat_template = chat_template  # a jinja2 template (HF's tokenizer_config / GGUF metadata)
+        self._plain_tok = None  # a copy matching no control token in text, made when first needed
 
     def token(self, i: int) -> str | None:
         """The string of token id `i` (special tokens included)."""
@@ -43,14 +44,28 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+    def encode(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids of `text`; `special=False` encodes text that spells a control token
+        ("<|im_end|>") as the plain text it is (a chat message's content)."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = (self._tok if special else self._plain()).encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             if not ids or ids[0] != self.bos_id:
                 ids = [self.bos_id] + ids
         return ids
+
+    def _plain(self) -> HFTokenizer:
+        """A copy of the tokenizer that matches no control token in text (made once)."""
+        if self._plain_tok is None:
+            plain = HFTokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain_tok = plain
+        return self._plain_tok
+
+    def special_texts(self) -> list[str]:
+        """The strings of the control tokens (the ones encode turns into a single control id)."""
+        return [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
 
     def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
