@@ -440,7 +440,7 @@ def main(argv=None) -> int:
                    help="entries each archived layer recalls per question, a ratio of the prompt "
                         "or a count (default 0.2)")
     g.add_argument("--archive-dir", default=None,
-                   help="write the archive to a file in this folder (memory-mapped) instead of RAM")
+                   help="write the archive to a file in this folder (read at each question) instead of RAM")
     g.add_argument("--max-kv-tokens", type=_positive_int, default=None,
                    help="bound every layer's KV entries while generating: a layer about to pass N evicts down "
                         "to a lower mark (sinks and the latest entries stay; docs/methods.md, 'A KV bound while "

@@ -287,3 +287,54 @@ def test_the_cli_names_every_archive_kind():
     from structkv.models.archive import KINDS
 
     assert ARCHIVE_KINDS == KINDS
+
+
+CHANGED_IN_PLACE = """
+import sys, torch, structkv
+from structkv import methods
+from structkv.models.archive import ArchiveError
+model = structkv.load(sys.argv[1])
+ids = torch.randint(3, 90, (100,), generator=torch.Generator().manual_seed(7)).tolist()
+state = structkv.prefill(model, ids, methods.get("keydiff", kv_budget=12), archive="int4", recall=20,
+                         archive_dir=sys.argv[2])
+first = structkv.generate(model, [4, 5, 6], state=state, max_new_tokens=5, compile=False)  # read once: pages cached
+path = state.archive.path
+if sys.argv[3] == "truncate":
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+else:
+    with open(path, "r+b") as f:  # every archived byte after the header changed in place
+        size = path.stat().st_size
+        f.seek(size - 4096)
+        f.write(b"\\x11" * 4096)
+try:
+    structkv.generate(model, [4, 5, 6], state=state, max_new_tokens=5, compile=False)
+    print("ANSWERED")
+except ArchiveError as e:
+    print("REFUSED", e)
+"""
+
+
+@pytest.mark.parametrize("change", ["truncate", "overwrite"])
+def test_an_archive_file_changed_in_place_is_refused_never_read(tiny_dir, tmp_path, change):
+    """A file under --archive-dir truncated in place used to kill the process with SIGBUS (its
+    pages were mapped); bytes rewritten in place after the first read were used unchecked (the CRC
+    ran once per mapping). Both are now refused with ArchiveError at the next question. Run in a
+    child process: on the old code the first case is a signal, not an exception."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", CHANGED_IN_PLACE, str(tiny_dir("llama")), str(tmp_path), change],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"the process died ({out.returncode}): {out.stderr[-1500:]}"
+    assert out.stdout.startswith("REFUSED"), out.stdout[-500:]
+
+
+def test_a_deleted_archive_file_is_a_clear_error(model, tmp_path):
+    """The archive's file removed under a state: the next question says so (serve then compresses
+    the context again), it never reads stale bytes."""
+    state = structkv.prefill(model, _ids(100, 9), methods.get("keydiff", kv_budget=12), archive="int4", recall=20,
+                             archive_dir=tmp_path)
+    state.archive.path.unlink()
+    with pytest.raises(ArchiveError, match="compress"):
+        structkv.generate(model, [4, 5, 6], state=state, max_new_tokens=3, compile=False)

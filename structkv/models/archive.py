@@ -19,17 +19,21 @@ the longest pad, with copies of their last entry). Per-channel tables are (ceil(
 D): one per block of 32 entries. Entry-major so that a tile of entries is one contiguous block, in
 memory and in a file, and `tile(s, e)` (s a multiple of 32) reads only that block.
 
-In a file (`save` / `open`), the archive is a safetensors file read through a memory map: a tile
-is read from the page cache when a question needs it, so a server can keep many archives on disk
-and only their hot sets in RAM. Every tensor's CRC-32 is in the file's metadata and checked the
-first time its layer is read: a corrupt or truncated file is refused with `ArchiveError`, never
-read as wrong entries.
+In a file (`save` / `open`), the archive is a safetensors file whose layers are read when a
+question needs them (`ArchiveLayer.opened`: one layer at a time, into memory, for that question
+only), so a server can keep many archives on disk and only their hot sets in RAM. Every tensor's
+CRC-32 is in the file's metadata and checked at every read: a file that is corrupt, truncated,
+rewritten in place or gone is refused with `ArchiveError`, never read as wrong entries. The file
+is read with pread, not mapped, so a file truncated under a running server is a short read, not
+a SIGBUS that kills it.
 """
 from __future__ import annotations
 
 import io
 import json
+import os
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -103,20 +107,38 @@ def _per_entry(kind: str) -> str:
 class ArchiveLayer:
     """One layer's evicted entries: `planes` (k's planes then v's, each (A, B, Hkv, last); an int4
     archive's key tables (ceil(A / 32), B, Hkv, D)) and `pos` (A, B, Hkv). `tile(s, e)` gives
-    entries s..e-1 as floats (B, Hkv, t, D); `take(index)` gathers single entries."""
+    entries s..e-1 as floats (B, Hkv, t, D); `take(index)` gathers single entries.
 
-    def __init__(self, kind: str, planes: list[torch.Tensor], pos: torch.Tensor, check=None):
-        self.kind, self.planes, self.pos = kind, planes, pos
-        self._check = check  # a file's CRC check, run once before the first read
+    A layer in a file (`source`: the file's tensors, the layer's names, their CRC-32s) holds no
+    entries itself: `opened()` reads and checks them into a layer in memory, for one question."""
+
+    def __init__(self, kind: str, planes: list[torch.Tensor] | None, pos: torch.Tensor | None, source=None):
+        self.kind, self.planes, self.pos, self.source = kind, planes, pos, source
 
     @property
     def size(self) -> int:
+        if self.source is not None:
+            files, names, _ = self.source
+            return files.shape(names[-1])[0]
         return self.pos.shape[0]
 
+    def opened(self) -> "ArchiveLayer":
+        """This layer with its entries in memory: itself, or its file's tensors read now and
+        checked against their CRC-32s (`ArchiveError` for a file changed or gone since it was
+        written). Read once per question: the file may change between questions."""
+        if self.source is None:
+            return self
+        files, names, crcs = self.source
+        tensors = [files[name] for name in names]
+        for name, t in zip(names, tensors):
+            if zlib.crc32(_bytes(t)) != crcs[name]:
+                raise ArchiveError(f"archive file {files.path} is corrupt or was changed (tensor {name} fails its "
+                                   "CRC-32); delete it and compress the context again")
+        return ArchiveLayer(self.kind, tensors[:-1], tensors[-1])
+
     def _ready(self) -> None:
-        if self._check is not None:
-            self._check()
-            self._check = None
+        if self.source is not None:
+            raise RuntimeError("a layer in a file is read through opened() (once per question)")
 
     def positions(self) -> torch.Tensor:
         """(B, Hkv, A) int64 original positions, -1 = none."""
@@ -163,7 +185,15 @@ class ArchiveLayer:
 
     def nbytes(self) -> int:
         """Bytes of the entries' planes and positions (padding included)."""
+        if self.source is not None:
+            files, names, _ = self.source
+            return sum(files.nbytes(name) for name in names)
         return sum(p.numel() * p.element_size() for p in self.planes) + self.pos.numel() * self.pos.element_size()
+
+    def entries(self) -> int:
+        """Archived (entry, KV head) pairs over every row (a file's positions read for the count)."""
+        pos = self.source[0][self.source[1][-1]] if self.source is not None else self.pos
+        return int((pos >= 0).sum())
 
 
 class KVArchive:
@@ -178,12 +208,13 @@ class KVArchive:
 
     def entries(self) -> int:
         """Archived (entry, KV head) pairs over every layer and row."""
-        return sum(int((layer.pos >= 0).sum()) for layer in self.layers.values())
+        return sum(layer.entries() for layer in self.layers.values())
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every plane and the positions by file name (`<layer>.<plane>`, `<layer>.pos`)."""
         out = {}
         for i, layer in self.layers.items():
+            layer = layer.opened()
             for j, plane in enumerate(layer.planes):
                 out[f"{i}.{j}"] = plane
             out[f"{i}.pos"] = layer.pos
@@ -241,16 +272,17 @@ def pack(kind: str, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k
 
 
 def open_archive(path) -> KVArchive:
-    """An archive file written by `KVArchive.save`, memory-mapped. Raises `ArchiveError` for a
-    file that is not one, truncated or corrupt (its CRCs are checked when a layer is first read)."""
+    """An archive file written by `KVArchive.save`, read layer by layer as questions need it.
+    Raises `ArchiveError` for a file that is not one, truncated or corrupt (its CRCs are checked
+    at every read of a layer)."""
     path = Path(path)
     meta, tensors = read_file(path, FORMAT, "archive file")
     return from_tensors(path, tensors, meta)
 
 
-def read_file(path: Path, fmt: str, what: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(metadata, every tensor memory-mapped) of a file `write_file` wrote in format `fmt`;
-    `ArchiveError` naming `what` for a missing, foreign, truncated or unreadable one."""
+def read_file(path: Path, fmt: str, what: str) -> tuple[dict, "FileTensors"]:
+    """(metadata, its tensors, each read when asked for) of a file `write_file` wrote in format
+    `fmt`; `ArchiveError` naming `what` for a missing, foreign, truncated or unreadable one."""
     from safetensors import SafetensorError, safe_open
 
     if not path.is_file():
@@ -262,7 +294,7 @@ def read_file(path: Path, fmt: str, what: str) -> tuple[dict, dict[str, torch.Te
             raise ArchiveError(f"{path} is not a structkv {what} of this version ({meta.get('format')!r}, expected "
                                f"{fmt!r}); delete it and compress the context again")
         json.loads(meta["crc32"])
-        return meta, _mapped(path, names)
+        return meta, FileTensors(path, names)
     except (SafetensorError, KeyError, ValueError, OSError, json.JSONDecodeError) as e:
         if isinstance(e, ArchiveError):
             raise
@@ -285,25 +317,49 @@ def from_tensors(path: Path, tensors: dict, meta: dict) -> KVArchive:
         missing = [name for name in keys if name not in tensors or name not in crc]
         if missing:
             raise ArchiveError(f"archive file {path} lacks {missing}: corrupt; compress the context again")
-        out[i] = ArchiveLayer(kind, [tensors[name] for name in keys[:-1]], tensors[keys[-1]],
-                              check=crc_check(path, {name: (tensors[name], crc[name]) for name in keys}))
+        out[i] = ArchiveLayer(kind, None, None, source=(tensors, keys, {name: crc[name] for name in keys}))
     return KVArchive(kind, out, path)
 
 
-def _mapped(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file (its header already validated by `safe_open`) as a view
-    on one private memory map (no copy: pages are read when a tile touches them)."""
-    with path.open("rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
-    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=path.stat().st_size)
-    data = torch.tensor([], dtype=torch.uint8).set_(storage)
-    out = {}
-    for name in names:
-        start, end = header[name]["data_offsets"]
-        raw = data[8 + header_len + start: 8 + header_len + end]
-        out[name] = raw.view(DTYPES[header[name]["dtype"]]).view(header[name]["shape"])
-    return out
+class FileTensors(Mapping):
+    """The tensors of a safetensors file (its header validated by `safe_open`), each read from the
+    file when asked for (pread into memory of its own). Nothing is mapped, so a file truncated in
+    place is a short read (`ArchiveError`), never a SIGBUS; the file is opened at each read, so
+    one that was removed or replaced is noticed, and no descriptor is held between questions."""
+
+    def __init__(self, path: Path, names: list[str]):
+        with path.open("rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len))
+        self.path, self.base, self.header = path, 8 + header_len, {name: header[name] for name in names}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        spec = self.header[name]
+        start, end = spec["data_offsets"]
+        try:
+            with self.path.open("rb") as f:
+                data = os.pread(f.fileno(), end - start, self.base + start)
+        except OSError as e:
+            raise ArchiveError(f"archive file {self.path} cannot be read ({e.strerror or e}); compress the context "
+                               "again") from None
+        if len(data) != end - start:
+            raise ArchiveError(f"archive file {self.path} is truncated (tensor {name}: {len(data)} of {end - start} "
+                               "bytes); delete it and compress the context again")
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        return raw.view(DTYPES[spec["dtype"]]).view(spec["shape"])
+
+    def shape(self, name: str) -> list[int]:
+        return self.header[name]["shape"]
+
+    def nbytes(self, name: str) -> int:
+        start, end = self.header[name]["data_offsets"]
+        return end - start
+
+    def __iter__(self):
+        return iter(self.header)
+
+    def __len__(self) -> int:
+        return len(self.header)
 
 
 def crc_check(path: Path, named: dict):

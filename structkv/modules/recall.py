@@ -54,11 +54,16 @@ class RecallLayer:
         self.chosen = None  # (B, Hkv, K) the context positions chosen for the answer, once asked
 
     def attention(self, attn, q, k, v, positions):
-        """The `LayerKVCache.attention` call of several (or one) question tokens: (B, S, E)."""
+        """The `LayerKVCache.attention` call of several (or one) question tokens: (B, S, E). An
+        archive in a file is read (and checked) here, for this layer of this question only."""
         B, Hq, S, D = q.shape
-        apos = self.archive.positions()  # (B, Hkv, A)
-        out, hot_p, arch_p = self._attend(q, k, v, positions, apos, attn.scale)  # (B, Hq, S, D), probabilities
-        self._recall(hot_p, arch_p, positions, apos)
+        source, self.archive = self.archive, self.archive.opened()
+        try:
+            apos = self.archive.positions()  # (B, Hkv, A)
+            out, hot_p, arch_p = self._attend(q, k, v, positions, apos, attn.scale)  # (B, Hq, S, D), probabilities
+            self._recall(hot_p, arch_p, positions, apos)
+        finally:
+            self.archive = source  # the entries read from a file are freed with this layer's question
         self.answer.write(k, v, positions)
         return attn.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 

@@ -539,7 +539,7 @@ def prefill(model, context=None, method: Method | None = None, *, messages=None,
     stored small, and every question then recalls `recall` entries per archived layer (a ratio of
     the context or a count; default `structkv.modules.recall.DEFAULT_RECALL`) chosen by its own
     attention (`structkv.modules.recall`). `archive_dir`: the archive goes to a file there
-    (memory-mapped; RAM then holds only the hot set). `block`: see `compress`."""
+    (read and checked at each question; RAM then holds only the hot set). `block`: see `compress`."""
     from ..modules.budget import Budget
     from ..modules.recall import DEFAULT_RECALL
 

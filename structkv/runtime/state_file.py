@@ -6,8 +6,8 @@ The file is a safetensors file: the hot set's planes per layer (`hot.<i>.<plane>
 and cursor), `logits`, `next_positions`, `kept_columns`, the archive's tensors as
 `structkv.models.archive` writes them, and in its metadata the layout (ring windows, kv_dtype),
 the prompt lengths, the prefill stats, the recall budget and a CRC-32 of every tensor. Loading
-copies the hot set into RAM (decode reads it every step) and leaves the archive memory-mapped.
-A corrupt or truncated file raises `ArchiveError`.
+copies the hot set into RAM (decode reads it every step) and leaves the archive in the file, read
+and checked by each question. A corrupt, truncated, changed or removed file raises `ArchiveError`.
 """
 from __future__ import annotations
 
@@ -48,8 +48,9 @@ def save_state(state, path) -> None:
 
 def load_state(path, model, method):
     """The `CompressedState` in `path` for `model`, made by `method` (the caller's key names it).
-    The hot set is checked (CRC) and copied into RAM; the archive stays mapped and is checked when
-    a question first reads it. Raises `ArchiveError` for a file that cannot be trusted."""
+    The hot set is read once, checked (CRC) and copied into RAM; the archive stays in the file and
+    each question reads and checks the layers it recalls from. Raises `ArchiveError` for a file
+    that cannot be trusted."""
     import weakref
 
     from .compress import CompressedState
@@ -58,7 +59,8 @@ def load_state(path, model, method):
     meta, tensors = read_file(path, STATE_FORMAT, "state file")
     try:
         crc = json.loads(meta["crc32"])
-        crc_check(path, {n: (t, crc[n]) for n, t in tensors.items() if not n[0].isdigit()})()  # archive: at its read
+        archive, tensors = tensors, {n: tensors[n] for n in tensors if not n[0].isdigit()}  # the hot set read once
+        crc_check(path, {n: (t, crc[n]) for n, t in tensors.items()})()  # and checked; the archive at each read
         layers = []
         for i, spec in enumerate(json.loads(meta["layout"])):
             first = tensors[f"hot.{i}.pos"]
@@ -74,7 +76,7 @@ def load_state(path, model, method):
                                 weakref.ref(model), recall=json.loads(meta["recall"]))
         state.cache.layers = torch.nn.ModuleList(layers)
         if "kind" in meta:
-            state.archive = from_tensors(path, tensors, meta)
+            state.archive = from_tensors(path, archive, meta)
         return state
     except (KeyError, TypeError, RuntimeError, json.JSONDecodeError) as e:
         raise ArchiveError(f"state file {path} does not hold a state for this model ({type(e).__name__}: {e}); "
