@@ -367,6 +367,8 @@ def _serve(args) -> int:
             from None
     import structkv
 
+    if args.archive_dir:  # before the model loads: a file here made every request with a context fail
+        _writable_folder(args.archive_dir, "--archive-dir")
     if args.threads:
         torch.set_num_threads(args.threads)
     from structkv.serve.guard import LOOPBACK_HOSTS, loopback

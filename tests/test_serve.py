@@ -746,6 +746,49 @@ def test_archived_contexts_recall_survive_a_restart_and_refuse_damaged_files(cha
     assert damaged.choices[0].message.content == expected.text
 
 
+def test_an_archive_folder_that_cannot_be_written_falls_back_to_ram(chat_model, tmp_path, monkeypatch):
+    """A full disk, a read-only folder or a file size limit under --archive-dir used to answer every
+    request with a context 500 forever; the context is now kept in RAM (a warning says why) and the
+    answer is the same as a server without the folder."""
+    import errno
+
+    import structkv.serve.engine as engine
+
+    question = [{"role": "user", "content": QUESTIONS[0]}]
+
+    def ask(**kw):
+        with Background(app_for(chat_model, settings(archive="int4", recall=24, **kw))) as running:
+            client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+            return client.chat.completions.create(model=NAME, messages=question, temperature=0, max_tokens=8,
+                                                  extra_body={"context": DOC})
+
+    want = ask()
+
+    def full_disk(state, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(engine, "save_state", full_disk)
+    got = ask(archive_dir=str(tmp_path))
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.model_extra["structkv"]["context_cache"] == "miss"
+
+
+def test_serve_refuses_an_archive_dir_that_is_a_file_at_start(tmp_path):
+    """`serve --archive-dir <a file>` used to start and then fail every request with a context; it
+    now stops at once with the option's name and the fix."""
+    import subprocess
+    import sys
+
+    afile = tmp_path / "not-a-folder"
+    afile.write_text("x")
+    try:
+        out = subprocess.run([sys.executable, "-m", "structkv.cli", "serve", "--archive-dir", str(afile), "--port",
+                              "0"], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("serve started with a file as --archive-dir")
+    assert out.returncode != 0 and "--archive-dir" in out.stderr and "is a file" in out.stderr, out.stderr[-1000:]
+
+
 def test_archived_states_count_apart_in_the_bound(chat_model, tmp_path):
     from structkv.serve.context_cache import ContextCache, hot_bytes, state_bytes
 

@@ -418,7 +418,10 @@ class Engine:
         state = prefill(self.model, job.prefix, job.method, room=max(s.room, need), archive=archive,
                         recall=s.recall, block=block)
         if s.archive_dir is not None:
-            save_state(state, self._file(key))
+            try:
+                save_state(state, self._file(key))
+            except OSError as e:  # a full disk, a read-only folder, a file size limit: answer from RAM
+                log.warning("could not write the context's file under --archive-dir (%s); keeping it in RAM", e)
         return state
 
     def _archive(self, job: Job) -> str | None:
