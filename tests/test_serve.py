@@ -356,6 +356,80 @@ def test_idle_and_excess_connections_are_closed(chat_model):
             s.close()
 
 
+def test_a_slowloris_client_does_not_crowd_out_an_honest_one(chat_model):
+    """One client holds more idle sockets than the hard limit and reopens every one the server
+    closes; a client that sends its request at once is still answered (new connections take the
+    place of the oldest waiting ones; the newest used to be aborted, honest ones included)."""
+    import socket
+
+    with Background(app_for(chat_model, settings()), max_connections=4, head_timeout_s=10.0) as srv:
+        port = int(srv.url.rsplit(":", 1)[1])
+        stop = threading.Event()
+
+        def flood():
+            socks = []
+            while not stop.is_set():
+                socks = [s for s in socks if not _closed(s)]
+                while len(socks) < 12:
+                    try:
+                        socks.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+                    except OSError:
+                        break
+                time.sleep(0.01)
+            for s in socks:
+                s.close()
+
+        attacker = threading.Thread(target=flood, daemon=True)
+        attacker.start()
+        time.sleep(0.5)
+        answered = 0
+        for _ in range(20):
+            try:
+                answered += httpx.get(srv.url + "/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                pass
+        stop.set()
+        attacker.join(10)
+    assert answered >= 18, f"{answered} of 20 honest requests answered"
+
+
+def test_requests_beyond_the_limit_in_flight_get_503_at_once():
+    """--max-connections bounds the requests in flight (503 server_busy beyond it), not the sockets."""
+    import asyncio
+
+    from structkv.serve.connections import RequestLimit
+
+    async def slow(scope, receive, send):
+        await asyncio.sleep(0.2)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def run():
+        limited, sent = RequestLimit(slow, 2), []
+
+        async def one():
+            out = []
+            await limited({"type": "http"}, None, lambda m: asyncio.sleep(0, out.append(m)))
+            sent.append(out[0]["status"])
+
+        await asyncio.gather(*(one() for _ in range(5)))
+        await one()  # the earlier ones have finished: room again
+        return sent, limited.in_flight
+
+    sent, left = asyncio.run(run())
+    assert sorted(sent[:5]) == [200, 200, 503, 503, 503] and sent[5] == 200 and left == 0
+
+
+def _closed(s) -> bool:
+    s.settimeout(0.001)
+    try:
+        return s.recv(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+
+
 def test_a_half_sent_body_is_answered_408_within_the_timeout(chat_model):
     """A client that sends half a body and waits gets 408 after --body-timeout and its connection
     closes, instead of holding it for as long as it likes."""

@@ -7,11 +7,18 @@ out for everyone and asyncio logged "socket.accept() out of system resource" tho
 second. `protocol(...)` makes uvicorn's HTTP protocol with two more rules:
 
 - a connection must finish its first request head within `head_timeout_s`, or it is closed;
-- connections beyond `hard_limit` are closed as soon as they are accepted (the 503 of
-  `limit_concurrency` needs a request to answer; these never get that far), with one warning in
-  the log per `WARN_EVERY_S`, not one per connection;
+- beyond `hard_limit` open connections, a new one takes the place of the oldest connection still
+  waiting for a request head (an idle or half-sent socket, closed): a client holding hundreds of
+  idle sockets and reopening each one closed (slowloris) no longer crowds out a client that sends
+  its request at once (it took `/health` to 1 answer in 56). Only when every connection is busy
+  with a request is the new one closed as soon as it is accepted (the 503 of `limit_concurrency`
+  needs a request to answer; these never get that far). One warning in the log per
+  `WARN_EVERY_S`, not one per connection;
 - and the listen backlog is `BACKLOG`, since asyncio accepts up to the backlog's count of sockets
   in one loop turn before any of them reaches `connection_made`.
+
+`RequestLimit` bounds the requests in flight (503 beyond it). uvicorn's own `limit_concurrency`
+counted open connections too, so idle sockets alone made every new request a 503.
 """
 from __future__ import annotations
 
@@ -31,25 +38,43 @@ def protocol(head_timeout_s: float, hard_limit: int) -> type:
     the class it returns, one class per server."""
 
     class BoundedH11(H11Protocol):
-        closed_over_limit = 0
+        closed_over_limit = 0  # new connections closed: every open one was busy with a request
+        evicted = 0  # waiting connections closed to make room for a new one
         _warned = 0.0
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            cls = type(self)
+            self._made_at = time.monotonic()
             if len(self.connections) > hard_limit:
-                cls.closed_over_limit += 1
-                if time.monotonic() - cls._warned > WARN_EVERY_S:
-                    cls._warned = time.monotonic()
-                    log.warning("%d connections open, over the limit of %d: new ones are closed at once "
-                                "(%d so far)", len(self.connections), hard_limit, cls.closed_over_limit)
-                transport.abort()
-                return
+                victim = self._oldest_waiting()
+                if victim is None:
+                    type(self).closed_over_limit += 1
+                    self._warn("new ones are closed at once: every open one is busy")
+                    transport.abort()
+                    return
+                type(self).evicted += 1
+                self._warn("the oldest waiting for a request head are closed to make room")
+                victim.transport.abort()
             self._head_deadline = self.loop.call_later(head_timeout_s, self._head_expired)
+
+        def _waiting(self) -> bool:
+            """Open, and no request head received yet (idle, or a head sent halfway)."""
+            return self.cycle is None and self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+
+        def _oldest_waiting(self):
+            others = [c for c in self.connections if c is not self and hasattr(c, "_made_at") and c._waiting()]
+            return min(others, key=lambda c: c._made_at, default=None)
+
+        def _warn(self, what: str) -> None:
+            cls = type(self)
+            if time.monotonic() - cls._warned > WARN_EVERY_S:
+                cls._warned = time.monotonic()
+                log.warning("%d connections open, over the limit of %d: %s (%d closed, %d made room so far)",
+                            len(self.connections), hard_limit, what, cls.closed_over_limit, cls.evicted)
 
         def _head_expired(self) -> None:
             """No request head arrived in time: close (after one, uvicorn's keep-alive rules apply)."""
-            if self.cycle is None and self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self._waiting():
                 self.transport.close()
 
         def connection_lost(self, exc) -> None:
@@ -59,3 +84,28 @@ def protocol(head_timeout_s: float, hard_limit: int) -> type:
             super().connection_lost(exc)
 
     return BoundedH11
+
+
+class RequestLimit:
+    """ASGI middleware: at most `limit` HTTP requests in flight (a streamed answer counts until it
+    ends); beyond, 503 at once. Idle connections do not count (they are bounded by `protocol`)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit, self.in_flight = app, limit, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.in_flight >= self.limit:
+            body = (b'{"error": {"message": "the server has as many requests in flight as it takes '
+                    b'(structkv serve --max-connections); retry shortly", "type": "server_error", '
+                    b'"code": "server_busy"}}')
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
