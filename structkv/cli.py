@@ -241,6 +241,29 @@ def _non_negative_int(text):
     return _int_from(text, 0, "an integer >= 0")
 
 
+def _port(text):
+    value = _int_from(text, 0, "a TCP port in 0..65535 (0: any free port)")
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port in 0..65535 (0: any free port), got {value}")
+    return value
+
+
+def _seed(text):
+    """A sampling seed: an unsigned 64-bit integer, as serve's requests take."""
+    value = _int_from(text, 0, "a seed in 0..2**64-1")
+    if value >= 1 << 64:
+        raise argparse.ArgumentTypeError(f"expected a seed in 0..2**64-1, got {value}")
+    return value
+
+
+def _positive_bytes(text):
+    value = _bytes(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer size (a body of 0 bytes refuses every POST), "
+                                         f"got {text!r}")
+    return value
+
+
 class _Renamed(argparse.Action):
     """An option that was renamed: refused with the new name (hidden from --help)."""
 
@@ -469,7 +492,7 @@ def main(argv=None) -> int:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    g.add_argument("--seed", type=_seed, default=None, help="sampling seed")
     g.add_argument("--compile", choices=["auto", "always", "never"], default="auto",
                    help="torch.compile: auto compiles only what pays for this call (see docs/decoder.md)")
     g.add_argument("--eager", action="store_true", help="same as --compile never")
@@ -573,7 +596,7 @@ def main(argv=None) -> int:
     _budget_options(s, None, None, "default R_KV of requests that give none, a ratio in (0, 1] (0.1) or a token "
                                    "count (512); the method's default if unset")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_port, default=8000)
     s.add_argument("--cache-bytes", type=_bytes, default=1 << 30,
                    help="bound on the compressed contexts kept between requests, e.g. 512MiB (0: no cache)")
     s.add_argument("--archive", choices=(*ARCHIVE_KINDS, "none"), default=None,
@@ -600,7 +623,7 @@ def main(argv=None) -> int:
     s.add_argument("--max-batch", type=_positive_int, default=8,
                    help="requests decoding together, one step for all (continuous batching); 1: one at a time")
     s.add_argument("--max-tokens", type=_positive_int, default=1024, help="new tokens per request, at most")
-    s.add_argument("--max-request-bytes", type=_bytes, default=16 << 20, help="request body size, at most")
+    s.add_argument("--max-request-bytes", type=_positive_bytes, default=16 << 20, help="request body size, at most")
     s.add_argument("--room", type=_positive_int, default=512,
                    help="cache slots kept after a cached context for a question and its answer (grown on demand)")
     s.add_argument("--min-context-tokens", type=_positive_int, default=256,

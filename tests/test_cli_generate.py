@@ -226,3 +226,13 @@ def test_inductor_cache_goes_to_the_user_cache(tmp_path, monkeypatch):
     assert compiling.use_persistent_cache() == str(tmp_path / "cache" / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert compiling.use_persistent_cache() == str(tmp_path / "mine")  # the caller's choice wins
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**64)])
+def test_generate_refuses_a_seed_out_of_range_before_loading(seed, capsys):
+    """--seed -1 was accepted and 2**64 gave torch's 'Overflow when unpacking long long'."""
+    from structkv.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "hello", "--seed", seed])
+    assert "seed in 0..2**64-1" in capsys.readouterr().err

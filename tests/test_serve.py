@@ -241,6 +241,9 @@ BAD = [
     ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "struct_budget": 0.2}, 400,
      "unsupported_parameter"),  # the server's method, snapkv, has no structural budget
     ({"model": NAME, "messages": [{"role": "user", "content": "x\ud800"}]}, 400, "invalid_value"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "temperature": 10**400}, 400, "invalid_value"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "top_p": -10**400}, 400, "invalid_value"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "method": ""}, 400, "unknown_method"),
 ]
 
 
@@ -620,7 +623,9 @@ def test_cli_refuses_bad_settings_before_serving(chat_model, capsys):
         main(["serve", "--cache-bytes", "lots"])
     assert "512MiB" in capsys.readouterr().err
     for option, value, message in (("--body-timeout", "-1", "positive number of seconds"),
-                                   ("--max-connections", "0", "positive integer")):
+                                   ("--max-connections", "0", "positive integer"),
+                                   ("--port", "70000", "port"), ("--port", "-1", "port"),
+                                   ("--max-request-bytes", "0", "positive integer")):
         with pytest.raises(SystemExit):
             main(["serve", option, value])
         assert message in capsys.readouterr().err

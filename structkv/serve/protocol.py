@@ -92,6 +92,9 @@ def parse(body, kind: str) -> Request:
     if req.context is not None and not req.context.strip():
         raise bad("context", "context is empty; leave it out or give the document's text")
     req.method = _string(body, "method")
+    if req.method is not None and not req.method.strip():
+        raise bad("method", "'method' is empty: name a method (GET /v1/models lists the server's) or leave it out "
+                  "for the server's default", code="unknown_method")
     req.kv_budget = _budget(body, "kv_budget")
     req.struct_budget = _budget(body, "struct_budget")
     req.max_kv_tokens = _count(body, "max_kv_tokens")
@@ -218,7 +221,11 @@ def _number(body, name, low=None, high=None, low_open=False):
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    try:  # an integer of hundreds of digits overflows float: not a number this field can hold
+        finite = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+    except OverflowError:
+        finite = False
+    if not finite:
         raise bad(name, f"'{name}' must be a finite number, got {_show(value)}")
     if low is not None and (value < low or (low_open and value == low)):
         raise bad(name, f"'{name}' must be {'>' if low_open else '>='} {low}, got {value}")
