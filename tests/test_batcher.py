@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import structkv
 from structkv import methods
@@ -200,3 +202,27 @@ def test_a_tiny_temperature_is_greedy_and_harms_no_other_row(tiny_dir, temperatu
     while len(batch):
         batch.step()
     assert [r.tokens for r in rows] == want
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.floats(min_value=0, max_value=2), st.one_of(st.none(), st.floats(min_value=1e-6, max_value=1)),
+       st.integers(0, 2**64 - 1))
+def test_any_accepted_sampling_beside_a_greedy_row_never_changes_it(tiny_llama, temperature, top_p, seed):
+    """Whatever accepted sampling a request asks for, the step never raises and the greedy request
+    decoding beside it gets exactly its lone answer."""
+    ids = [prompt(30, 3), prompt(40, 4)]
+    want = alone(tiny_llama, ids[1], "full", 5, {})
+    batch = Batch(tiny_llama)
+    batch.eos = set()
+    rows = [row(tiny_llama, ids[0], "full", 5, {"temperature": temperature, "top_p": top_p, "seed": seed}),
+            row(tiny_llama, ids[1], "full", 5, {})]
+    for r in rows:
+        batch.join(r)
+    while len(batch):
+        batch.step()
+    assert rows[1].tokens == want and len(rows[0].tokens) == 5
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_dir):
+    return structkv.load(tiny_dir("llama"))
