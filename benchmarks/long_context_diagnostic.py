@@ -72,17 +72,20 @@ class LastHidden:
 def ask(model, state, question: list[int], gold: list[int], recall, cap: int, hidden: LastHidden) -> dict:
     """The greedy answer, the gold NLL and the per-layer last hidden states of one question
     (`recall` 0: the hot set alone, or the full cache's plain extension)."""
-    cache, logits, pos, _ = _extend_state(model, state, question, cap + len(gold), recall=recall)
+    room = max(cap, len(gold))  # the greedy answer, then the gold one, each on its own copy
+    t0 = time.perf_counter()
+    cache, logits, pos, _ = _extend_state(model, state, question, room, recall=recall)
+    asked = time.perf_counter() - t0  # the question's pass (with recall: over hot set + archive)
     layers = hidden.take()
     out, _ = decode_tokens(Decoding(model, cache, logits, pos), cap)
-    cache, logits, pos, _ = _extend_state(model, state, question, cap + len(gold), recall=recall)
+    cache, logits, pos, _ = _extend_state(model, state, question, room, recall=recall)
     rows = Decoding(model, cache, logits, pos)
     nll = 0.0
     for t in gold:  # teacher-forced: the gold answer's tokens after the question
         nll -= torch.log_softmax(rows.logits[0], -1)[t].item()
         rows.feed(torch.tensor([t]))
     hidden.take()
-    return {"answer": out[0], "nll": nll / len(gold), "hidden": layers}
+    return {"answer": out[0], "nll": nll / len(gold), "hidden": layers, "question_s": asked}
 
 
 def contexts(samples: list[dict]) -> list[list[dict]]:
@@ -157,6 +160,7 @@ def run(args) -> None:
                 records.append({"context": c, "task": s["task"], "question": j, "variant": label, "recall": recall,
                                 "score": score(s, text), "answer": text, "gold": s["outputs"][0],
                                 "nll": got["nll"], "drift": drift, "kept_share": share.get(label, 1.0),
+                                "question_s": got["question_s"],
                                 "pivot": pivot, "kinds": layer_kinds(model, pivot), "prefill_s": prefill_s,
                                 "length": len(group[0]["input_ids"])})
         with out.open("a") as f:  # one context at a time: a killed run loses at most the context under way
@@ -183,10 +187,10 @@ def report(paths: list[str]) -> str:
     lines = [f"{n} questions over {len({r['context'] for r in rows})} contexts of {rows[0]['length']} tokens; "
              f"pivot {sorted({r['pivot'] for r in rows}, key=str)}",
              "",
-             "| state | recall | accuracy | answers = full's | hot + archive / bf16 full | gold NLL | "
-             "NLL - full [95 %] | "
+             "| state | recall | accuracy | answers = full's | hot + archive / bf16 full | question pass, s (median) | "
+             "gold NLL | NLL - full [95 %] | "
              + " | ".join(f"drift {g} (last layer)" for g in groups) + " |",
-             "|---|---|---|---|---|---|---|" + "---|" * len(groups)]
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(groups)]
     for variant, recall in keys:
         sel = [r for r in rows if r["variant"] == variant and r["recall"] == recall]
         acc = 100 * sum(r["score"] for r in sel) / len(sel)
@@ -200,7 +204,10 @@ def report(paths: list[str]) -> str:
             drift.append(sum(r["drift"][last] for r in sel) / len(sel))
         kept = [r["kept_share"] for r in sel if "kept_share" in r]
         kept = f"{sum(kept) / len(kept):.3f}" if kept else "-"
+        took = sorted(r["question_s"] for r in sel if "question_s" in r)
+        took = f"{took[len(took) // 2]:.2f}" if took else "-"
         lines.append(f"| {variant} | {'-' if recall is None else recall} | {acc:.1f} | {same}/{len(sel)} | {kept} | "
+                     f"{took} | "
                      f"{nll:.3f} | "
                      f"{sum(diffs) / len(diffs):+.3f} [{lo:+.3f}, {hi:+.3f}] | "
                      + " | ".join(f"{d:.3f}" for d in drift) + " |")
