@@ -338,3 +338,16 @@ def test_a_deleted_archive_file_is_a_clear_error(model, tmp_path):
     state.archive.path.unlink()
     with pytest.raises(ArchiveError, match="compress"):
         structkv.generate(model, [4, 5, 6], state=state, max_new_tokens=3, compile=False)
+
+
+def test_an_archive_layer_goes_to_the_questions_device(model, tmp_path):
+    """Recall reads a file's layer into host memory and copies it to the question's device, one
+    layer at a time (a memory-mapped archive's CPU tiles used to meet CUDA queries); here the
+    device is `meta`, which checks that every plane and the positions move and tiles follow."""
+    state = structkv.prefill(model, _ids(100, 11), methods.get("keydiff", kv_budget=12), archive="int4", recall=20,
+                             archive_dir=tmp_path)
+    layer = next(iter(state.archive.layers.values())).opened()
+    assert layer.to("cpu") is layer
+    moved = layer.to("meta")
+    assert all(p.device.type == "meta" for p in moved.planes) and moved.pos.device.type == "meta"
+    assert moved.tile(0, min(32, moved.size), "k").device.type == "meta"

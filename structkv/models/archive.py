@@ -136,6 +136,15 @@ class ArchiveLayer:
                                    "CRC-32); delete it and compress the context again")
         return ArchiveLayer(self.kind, tensors[:-1], tensors[-1])
 
+    def to(self, device) -> "ArchiveLayer":
+        """This layer with its entries on `device` (the question's: a file's layers are read into
+        host memory, then copied, one layer at a time, never the whole archive)."""
+        self._ready()
+        if self.pos.device == torch.device(device):
+            return self
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return ArchiveLayer(self.kind, [move(p) for p in self.planes], move(self.pos))
+
     def _ready(self) -> None:
         if self.source is not None:
             raise RuntimeError("a layer in a file is read through opened() (once per question)")
@@ -236,7 +245,7 @@ def write_file(path, tensors: dict, meta: dict) -> None:
     at all."""
     from safetensors.torch import save
 
-    tensors = {name: t.contiguous() for name, t in tensors.items()}
+    tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}  # a GPU's archive too
     meta = {**meta, "crc32": json.dumps({name: zlib.crc32(_bytes(t)) for name, t in tensors.items()})}
     write_atomic(io.BytesIO(save(tensors, metadata=meta)), Path(path))
 
@@ -245,6 +254,7 @@ def _bytes(t: torch.Tensor) -> memoryview:
     """The tensor's bytes without a copy. A contiguous tensor may still carry any stride on a
     size-1 dimension (one KV head: Gemma 3 270M), which `view(uint8)` refuses: read it as the flat
     run of elements it is."""
+    t = t.detach() if t.device.type == "cpu" else t.detach().cpu()  # an archive made on a GPU is written from host
     flat = t.contiguous().as_strided((t.numel(),), (1,))
     return memoryview(flat.view(torch.uint8).numpy())
 

@@ -57,7 +57,7 @@ class RecallLayer:
         """The `LayerKVCache.attention` call of several (or one) question tokens: (B, S, E). An
         archive in a file is read (and checked) here, for this layer of this question only."""
         B, Hq, S, D = q.shape
-        source, self.archive = self.archive, self.archive.opened()
+        source, self.archive = self.archive, self.archive.opened().to(q.device)
         try:
             apos = self.archive.positions()  # (B, Hkv, A)
             out, hot_p, arch_p = self._attend(q, k, v, positions, apos, attn.scale)  # (B, Hq, S, D), probabilities
