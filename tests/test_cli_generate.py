@@ -221,6 +221,17 @@ def test_auto_compile_runs_eager_until_it_pays(byte_model, monkeypatch):
     assert compiling.should_compile_decode(byte_model, compiling.DECODE_TOKENS_WARM)
 
 
+def test_auto_compile_thresholds_are_per_device_kind():
+    """The CPU's break-even (thousands of tokens) is not a GPU's: there an eager step is launch-bound,
+    so compile="auto" compiles the decode step from the first token (it used to decode eagerly)."""
+    import types
+
+    import torch
+
+    gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
+    assert compiling.should_compile_decode(gpu, 1)
+
+
 def test_inductor_cache_goes_to_the_user_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     assert compiling.use_persistent_cache() == str(tmp_path / "cache" / "inductor")
