@@ -394,9 +394,14 @@ def _serve(args) -> int:
         _writable_folder(args.archive_dir, "--archive-dir")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from structkv.serve.guard import LOOPBACK_HOSTS, loopback
+    from structkv.serve.guard import LOOPBACK_HOSTS, check_api_key, loopback
 
     api_key = args.api_key or os.environ.get("STRUCTKV_API_KEY") or None
+    try:
+        check_api_key(api_key)
+    except ValueError as e:
+        print(f"structkv serve: {e}", file=sys.stderr)
+        return 2
     if not loopback(args.host) and api_key is None and not args.no_auth:
         print(f"structkv serve: listening on {args.host} (beyond loopback) needs an API key: pass --api-key KEY "
               "(or set STRUCTKV_API_KEY), or --no-auth to serve anyone who can reach it", file=sys.stderr)

@@ -633,6 +633,21 @@ def test_cli_refuses_bad_settings_before_serving(chat_model, capsys):
         Engine(chat_model, settings(method="magic"))
 
 
+def test_api_key_scheme_is_case_insensitive_and_a_key_no_client_can_send_is_refused(chat_model, capsys):
+    """`authorization: bearer <key>` is the same scheme as `Bearer` (RFC 9110); a non-ASCII key could
+    never match (headers carry ASCII) and is refused at start; a 60 KB path is not echoed back."""
+    from structkv.cli import main
+
+    with Background(app_for(chat_model, settings(), api_key="k3y")) as srv:
+        for header in ("Bearer k3y", "bearer k3y", "BEARER  k3y"):
+            assert httpx.get(srv.url + "/v1/models", headers={"authorization": header}, timeout=10).status_code == 200
+        assert httpx.get(srv.url + "/v1/models", headers={"authorization": "Basic k3y"}, timeout=10).status_code == 401
+        long = httpx.get(srv.url + "/" + "a" * 60_000, headers={"authorization": "Bearer k3y"}, timeout=10)
+        assert long.status_code == 404 and len(long.content) < 1000
+    assert main(["serve", "--api-key", "clé"]) == 2
+    assert "printable ASCII" in capsys.readouterr().err
+
+
 def test_serving_beyond_loopback_needs_a_key_or_no_auth(monkeypatch, capsys):
     """Refused before the model loads: beyond loopback without --api-key (or $STRUCTKV_API_KEY)
     unless --no-auth, and --no-auth with a key."""

@@ -198,7 +198,8 @@ def _error(e: APIError) -> JSONResponse:
 
 
 async def _not_found(request, exc):
-    return _error(APIError(404, f"no route {request.url.path}; this server has /v1/chat/completions, "
+    path = request.url.path if len(request.url.path) <= 80 else request.url.path[:80] + "..."  # never echo 100 KB
+    return _error(APIError(404, f"no route {path}; this server has /v1/chat/completions, "
                            "/v1/completions, /v1/models, /health, /metrics", code="not_found"))
 
 

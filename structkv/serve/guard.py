@@ -23,6 +23,14 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 OPEN_PATHS = ("/health",)
 
 
+def check_api_key(key: str | None) -> None:
+    """A key a client can send: printable ASCII without spaces (a header carries ASCII; any other
+    key could never match, so every request would be refused)."""
+    if key is not None and not (key and key.isascii() and key.isprintable() and " " not in key):
+        raise ValueError("the API key must be printable ASCII without spaces (an HTTP header carries no other "
+                         "characters, so this key could never match); choose another --api-key")
+
+
 def loopback(host: str) -> bool:
     return host in LOOPBACK_HOSTS or host.startswith("127.")
 
@@ -33,6 +41,7 @@ class Guard:
     (the server's metrics)."""
 
     def __init__(self, app, *, api_key: str | None = None, allowed_hosts=None, allowed_origins=(), refused=None):
+        check_api_key(api_key)
         self.app, self.api_key = app, api_key
         self.allowed_hosts = None if allowed_hosts is None else {h.lower().strip("[]") for h in allowed_hosts}
         self.allowed_origins = {o.rstrip("/").lower() for o in allowed_origins}
@@ -66,8 +75,8 @@ class Guard:
             return (403, f"cross-origin requests are refused (Origin {_short(origin)!r}); allow a web app's origin "
                     "with structkv serve --allow-origin", "origin_not_allowed", [])
         if self.api_key is not None and path not in OPEN_PATHS:
-            given = headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            scheme, _, given = headers.get("authorization", "").strip().partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
                 return (401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' (the key "
                         "given to structkv serve --api-key)", "invalid_api_key", [(b"www-authenticate", b"Bearer")])
         if method == "POST":
