@@ -867,6 +867,23 @@ def test_an_archive_folder_that_cannot_be_written_falls_back_to_ram(chat_model, 
     assert got.model_extra["structkv"]["context_cache"] == "miss"
 
 
+def test_stale_temporary_files_are_cleaned_at_start(chat_model, tmp_path):
+    """A killed writer leaves `.<name>.safetensors.XXXX` files behind: the engine removes the old
+    ones when it starts (they used to pile up), keeps a recent one (another server's write) and
+    every finished file."""
+    import os
+
+    from structkv.serve.engine import Engine
+
+    stale, fresh, done = (tmp_path / ".a.safetensors.x1", tmp_path / ".b.safetensors.x2", tmp_path / "c.safetensors")
+    for p in (stale, fresh, done):
+        p.write_bytes(b"partial")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    engine = Engine(chat_model, settings(archive="int4", archive_dir=str(tmp_path)))
+    engine.close()
+    assert not stale.exists() and fresh.exists() and done.exists()
+
+
 def test_serve_refuses_an_archive_dir_that_is_a_file_at_start(tmp_path):
     """`serve --archive-dir <a file>` used to start and then fail every request with a context; it
     now stops at once with the option's name and the fix."""

@@ -150,6 +150,8 @@ class Engine:
             self.context_method, self.context_kv = context_default(model.config)
         self.metrics = metrics or Metrics()
         self.cache = ContextCache(settings.cache_bytes)
+        if settings.archive_dir is not None:
+            clean_stale_temp_files(settings.archive_dir)
         try:  # a bad default fails at start-up, not at the first request
             self.method_for(Request(kind="chat", model=settings.model_name))
         except APIError as e:
@@ -504,6 +506,28 @@ class _Run:
             if delta:
                 self.job.emit("delta", delta)
         return self.job.cancelled.is_set() or self.text.stopped
+
+
+STALE_TEMP_S = 600.0  # a temporary file older than this is a killed writer's, not one under way
+
+
+def clean_stale_temp_files(folder) -> int:
+    """Remove the temporary files a killed process left in `folder` (`.<name>.safetensors.XXXX`,
+    written then renamed into place by `write_atomic`); a recent one may be another server's
+    write under way and is kept. Returns how many were removed."""
+    from pathlib import Path
+
+    removed, now = 0, time.time()
+    for path in Path(folder).glob(".*.safetensors.*"):
+        try:
+            if path.is_file() and now - path.stat().st_mtime > STALE_TEMP_S:
+                path.unlink()
+                removed += 1
+        except OSError:
+            pass  # gone meanwhile, or not ours to remove: nothing to clean
+    if removed:
+        log.info("removed %d stale temporary file(s) from %s", removed, folder)
+    return removed
 
 
 def _internal(e: Exception) -> APIError:
