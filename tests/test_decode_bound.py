@@ -41,7 +41,7 @@ METHODS = [None, "snapkv", "structkv", "streaming_llm"]
 RULES = ["window", "redundancy", "recent", "centrality"]
 
 
-@given(bound=st.integers(4, 40), length=st.integers(5, 50), new=st.integers(1, 60),
+@given(bound=st.integers(16, 40), length=st.integers(5, 50), new=st.integers(1, 60),
        rule=st.sampled_from(RULES), method=st.sampled_from(METHODS),
        arch=st.sampled_from(["llama", "gemma3_text"]))
 def test_bound_holds_at_every_step(models, bound, length, new, rule, method, arch):
@@ -196,7 +196,9 @@ def test_the_cli_offers_every_rule():
 def test_bad_rules_and_marks_are_refused():
     with pytest.raises(ValueError, match="unknown decode eviction rule 'attention'"):
         DecodeBound(64, "attention")
-    with pytest.raises(ValueError, match="4 sinks \\+ 8 recent"):
-        DecodeBound(10, sinks=4, recent=8)
+    with pytest.raises(ValueError, match="8 sinks \\+ 12 recent"):
+        DecodeBound(20, sinks=8, recent=12)
     with pytest.raises(ValueError, match="every must be >= 1"):
         DecodeBound(64, every=0)
+    with pytest.raises(ValueError, match="evicts the prompt itself"):
+        DecodeBound(8)

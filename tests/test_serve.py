@@ -173,8 +173,9 @@ def test_kv_bound_per_request_and_as_the_server_default(chat_model, server, clie
         c = openai.OpenAI(base_url=bounded.url + "/v1", api_key="unused", timeout=60, max_retries=0)
         out = c.chat.completions.create(model=NAME, messages=messages, temperature=0, max_tokens=40)
         assert out.choices[0].message.content == want
-    r = post(server, "/v1/chat/completions", {"model": NAME, "messages": messages, "max_kv_tokens": 0})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "max_kv_tokens"
+    for bound in (0, 4):  # 4: a bound that would evict the prompt before the first token
+        r = post(server, "/v1/chat/completions", {"model": NAME, "messages": messages, "max_kv_tokens": bound})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_kv_tokens", r.text
 
 
 def test_token_count_budgets_per_request(client):

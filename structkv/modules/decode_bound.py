@@ -48,6 +48,9 @@ QUERY_WINDOW = 32  # decode queries each layer keeps for the query-based rules
 CARRY_DECAY = 0.9  # the "centrality" rule's decay per QUERY_WINDOW generated tokens (StructKV's depth decay)
 
 
+MIN_TOKENS = 16  # below, sinks + recent entries + one eviction step leave nothing of the prompt
+
+
 @dataclass(frozen=True)
 class DecodeBound:
     """At most `max_tokens` entries per (row, KV head) in every layer while generating.
@@ -64,8 +67,9 @@ class DecodeBound:
     recent: int | None = None
 
     def __post_init__(self):
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_kv_tokens must be an int >= 1 (entries per layer while generating), "
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < MIN_TOKENS:
+            raise ValueError(f"max_kv_tokens must be an int >= {MIN_TOKENS} (entries per layer while generating; "
+                             "a smaller bound evicts the prompt itself before the first token), "
                              f"got {self.max_tokens!r}")
         if self.rule not in RULES:
             raise ValueError(f"unknown decode eviction rule {self.rule!r}: choose one of {', '.join(RULES)}")
