@@ -868,6 +868,21 @@ def test_an_archive_folder_that_cannot_be_written_falls_back_to_ram(chat_model, 
     assert got.model_extra["structkv"]["context_cache"] == "miss"
 
 
+def test_a_context_over_the_whole_cache_bound_is_reported(chat_model, caplog):
+    """A context larger than --cache-bytes on its own is not cached: a warning and a metric say so
+    (it used to be dropped silently, each question compressing it again)."""
+    question = [{"role": "user", "content": QUESTIONS[0]}]
+    with Background(app_for(chat_model, settings(cache_bytes=1000))) as running:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        for _ in range(2):
+            out = client.chat.completions.create(model=NAME, messages=question, temperature=0, max_tokens=4,
+                                                 extra_body={"context": DOC})
+            assert out.model_extra["structkv"]["context_cache"] == "miss"
+        metrics = httpx.get(running.url + "/metrics", timeout=10).text
+    assert "structkv_context_cache_oversized 2" in metrics
+    assert any("over --cache-bytes" in r.getMessage() for r in caplog.records)
+
+
 def test_stale_temporary_files_are_cleaned_at_start(chat_model, tmp_path):
     """A killed writer leaves `.<name>.safetensors.XXXX` files behind: the engine removes the old
     ones when it starts (they used to pile up), keeps a recent one (another server's write) and

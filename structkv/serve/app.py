@@ -53,6 +53,7 @@ def make_app(engine: Engine, max_request_bytes: int = 16 << 20, *, api_key: str 
         gauges = {"context_cache_bytes": ("bytes held by cached compressed contexts", cache.nbytes),
                   "context_cache_entries": ("compressed contexts cached", len(cache)),
                   "context_cache_evictions": ("contexts dropped to stay under --cache-bytes", cache.evictions),
+                  "context_cache_oversized": ("contexts not cached: alone over --cache-bytes", cache.oversized),
                   **{f"context_cache_{k}": (f"cached contexts' {k.replace('_', ' ')} (hot sets and archives apart)", v)
                      for k, v in cache.split().items()},
                   "queue_depth": ("requests waiting or running", engine.queued())}

@@ -52,7 +52,7 @@ class ContextCache:
         self._states: OrderedDict = OrderedDict()
         self._bytes: dict = {}
         self._lock = Lock()  # /metrics reads the totals from the event loop while the worker writes
-        self.hits = self.misses = self.evictions = 0
+        self.hits = self.misses = self.evictions = self.oversized = 0  # oversized: alone over the bound
 
     def get(self, key, room: int = 0):
         """The state under `key` if it has `room` free cache slots for what is appended, else None
@@ -73,6 +73,7 @@ class ContextCache:
         with self._lock:
             self._drop(key)
             if size > self.max_bytes:
+                self.oversized += 1
                 return False
             while self._states and self.nbytes + size > self.max_bytes:
                 self._drop(next(iter(self._states)))

@@ -39,7 +39,7 @@ from ..runtime.state_file import load_state, save_state
 from ..text import chat
 from ..text.detokenize import StopText
 from .batcher import Batch, Row
-from .context_cache import ContextCache, context_key
+from .context_cache import ContextCache, context_key, state_bytes
 from .interleave import Interleave, Stopped
 from .metrics import Metrics
 from .protocol import APIError, Request, bad, usage
@@ -387,7 +387,7 @@ class Engine:
             if state is None:
                 state = self._compress(key, job, need, block)
             if run.status in ("miss", "disk"):
-                self.cache.put(key, state)
+                self._keep(key, state)
             try:
                 started = start(self.model, job.rest, state=state, **backend)
             except ArchiveError as e:  # its file was damaged since it was opened: never answer from it
@@ -396,7 +396,7 @@ class Engine:
                 if self.settings.archive_dir is not None:
                     self._file(key).unlink(missing_ok=True)
                 state, run.status = self._compress(key, job, need), "miss"
-                self.cache.put(key, state)
+                self._keep(key, state)
                 started = start(self.model, job.rest, state=state, **backend)
             run.state = state
         else:
@@ -405,6 +405,13 @@ class Engine:
         req = job.req
         return Row(started, job.max_new, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                    on_token=run.on_token, tag=run, bound=bound)
+
+    def _keep(self, key, state) -> None:
+        """Cache a compressed context; one larger than the whole bound is said, not silently dropped."""
+        if not self.cache.put(key, state):
+            log.warning("a compressed context of %d bytes is over --cache-bytes (%d) on its own: it is not cached, "
+                        "so each question compresses it again; raise --cache-bytes or use --archive-dir",
+                        state_bytes(state), self.cache.max_bytes)
 
     def _bound(self, req: Request):
         """The request's KV bound while generating: its own max_kv_tokens, else the server's; None: unbounded."""
