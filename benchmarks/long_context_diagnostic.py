@@ -172,7 +172,8 @@ def run(args) -> None:
 
 
 def report(paths: list[str]) -> str:
-    rows = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line.strip()]
+    rows = [{**json.loads(line), "context": (i, json.loads(line)["context"])}  # contexts of several files apart
+            for i, p in enumerate(paths) for line in Path(p).read_text().splitlines() if line.strip()]
     if not rows:
         return "no records"
     full = {(r["context"], r["question"]): r for r in rows if r["variant"] == "full"}
@@ -184,13 +185,15 @@ def report(paths: list[str]) -> str:
     kinds = rows[0]["kinds"]
     groups = list(dict.fromkeys(kinds))
     n = len(full)
-    lines = [f"{n} questions over {len({r['context'] for r in rows})} contexts of {rows[0]['length']} tokens; "
+    sizes = sorted({r["length"] for r in rows})
+    lines = [f"{n} questions over {len({r['context'] for r in rows})} contexts of "
+             f"{sizes[0]}{'' if len(sizes) == 1 else f'-{sizes[-1]}'} tokens; "
              f"pivot {sorted({r['pivot'] for r in rows}, key=str)}",
              "",
-             "| state | recall | accuracy | answers = full's | hot + archive / bf16 full | question pass, s (median) | "
-             "gold NLL | NLL - full [95 %] | "
+             "| state | recall | accuracy | - full [95 %] | answers = full's | hot + archive / bf16 full | "
+             "question pass, s (median) | gold NLL | NLL - full [95 %] | "
              + " | ".join(f"drift {g} (last layer)" for g in groups) + " |",
-             "|---|---|---|---|---|---|---|---|" + "---|" * len(groups)]
+             "|---|---|---|---|---|---|---|---|---|" + "---|" * len(groups)]
     for variant, recall in keys:
         sel = [r for r in rows if r["variant"] == variant and r["recall"] == recall]
         acc = 100 * sum(r["score"] for r in sel) / len(sel)
@@ -206,7 +209,10 @@ def report(paths: list[str]) -> str:
         kept = f"{sum(kept) / len(kept):.3f}" if kept else "-"
         took = sorted(r["question_s"] for r in sel if "question_s" in r)
         took = f"{took[len(took) // 2]:.2f}" if took else "-"
-        lines.append(f"| {variant} | {'-' if recall is None else recall} | {acc:.1f} | {same}/{len(sel)} | {kept} | "
+        gaps = [100 * (r["score"] - full[(r["context"], r["question"])]["score"]) for r in sel]
+        glo, ghi = _interval(gaps)
+        lines.append(f"| {variant} | {'-' if recall is None else recall} | {acc:.1f} | "
+                     f"{sum(gaps) / len(gaps):+.1f} [{glo:+.1f}, {ghi:+.1f}] | {same}/{len(sel)} | {kept} | "
                      f"{took} | "
                      f"{nll:.3f} | "
                      f"{sum(diffs) / len(diffs):+.3f} [{lo:+.3f}, {hi:+.3f}] | "
