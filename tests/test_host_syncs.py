@@ -70,3 +70,54 @@ def test_layers_read_back_only_what_host_syncs_counts(models, monkeypatch, arch,
         assert state.stats.host_syncs == reads
     else:  # the detector reads each layer of its curve once, up to the last row's pivot
         assert 1 <= state.stats.host_syncs <= len(model.config.full_attention_layers)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("rule", ["centrality", "recent"])
+def test_the_kv_bound_reads_the_host_only_when_it_evicts(models, monkeypatch, arch, rule):
+    """A bounded decode reads the device back only at steps that evict (every few tokens) or fold
+    the decode queries into the carried centrality (every QUERY_WINDOW tokens), plus once at its
+    first step: it used to read each full-attention layer's cursor, and the fed positions, at every
+    step (a GPU sync per layer per token)."""
+    from structkv.modules import decode_bound
+
+    model = models[arch]
+    counter = {"inside": False, "reads": 0}
+    for name in READS:
+        real = getattr(torch.Tensor, name)
+
+        def wrapped(self, *a, _real=real, **k):
+            counter["reads"] += counter["inside"]
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapped)
+    steps = []  # per step: (reads, evicted, folded)
+    real_before, real_after = decode_bound.BoundedDecode.before_step, decode_bound.BoundedDecode.after_step
+
+    def step(self):
+        counter.update(inside=True, reads=0)
+        evictions = self.evictions
+        try:
+            real_before(self)
+        finally:
+            counter["inside"] = False
+        steps.append([counter["reads"], self.evictions > evictions, False])
+
+    def after(self):
+        counter.update(inside=True, reads=0)
+        try:
+            real_after(self)
+        finally:
+            counter["inside"] = False
+        fed = getattr(self, "fed", None) or []
+        steps[-1][0] += counter["reads"]
+        steps[-1][2] = any((fed[r] + 1) % decode_bound.QUERY_WINDOW == 0 for r in self.carrying)
+
+    monkeypatch.setattr(decode_bound.BoundedDecode, "before_step", step)
+    monkeypatch.setattr(decode_bound.BoundedDecode, "after_step", after)
+    ids = torch.randint(3, 90, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    structkv.generate(model, ids, max_new_tokens=120, stop_at_eos=False, compile=False,
+                      max_kv_tokens=decode_bound.DecodeBound(48, rule))
+    quiet = [reads for reads, evicted, folded in steps[1:] if not evicted and not folded]
+    assert any(evicted for _, evicted, _ in steps) and len(quiet) > 60
+    assert sum(quiet) == 0, f"{sum(quiet)} host reads over {len(quiet)} steps that neither evict nor fold"

@@ -123,6 +123,10 @@ class BoundedDecode:
     def __init__(self, bounds: list, cache, group: int, reduce=None):
         self.bounds, self.cache, self.reduce = list(bounds), cache, reduce
         self.counts = [_entries_per_row(layer) for layer in cache.layers]  # per layer: (B,) ints
+        # Host copies of what each step changes by a known amount (a full layer's cursor, the rows'
+        # fed positions), so a step reads the device only when it evicts: no sync per layer per token.
+        self.cursors = [int(layer.cursor) for layer in cache.layers]
+        self.fed = None  # (B,) the position each row was fed last, read once at the first step
         self.peak = [0] * len(self.counts)  # over decode steps
         self.evictions, self.evict_s = 0, 0.0
         carrying = [r for r, b in enumerate(self.bounds) if b is not None and b.rule == "centrality"]
@@ -147,8 +151,9 @@ class BoundedDecode:
             if over:
                 self.evictions += len(over)
                 self.counts[i] = _entries_per_row(layer)
-            if full and (over or int(layer.cursor) + 1 > layer.capacity):
+            if full and (over or self.cursors[i] + 1 > layer.capacity):
                 layer.compact()
+                self.cursors[i] = int(layer.cursor)  # one read, after an eviction only
                 self._fit(i, layer)
         if self.evictions:
             self.evict_s += time.perf_counter() - t0
@@ -159,12 +164,12 @@ class BoundedDecode:
         from ..models.kv_cache import round_capacity
 
         if any(b is None for b in self.bounds):
-            if int(layer.cursor) + 1 > layer.capacity:
+            if self.cursors[i] + 1 > layer.capacity:
                 raise ValueError("an unbounded row has no room left in this cache")
             return
         most = max(b.max_tokens for b in self.bounds)
         want = round_capacity(most + 1)
-        if layer.capacity != want and int(layer.cursor) <= most:
+        if layer.capacity != want and self.cursors[i] <= most:
             fitted = layer.resized(want)
             fitted.take_queries(layer)
             self.cache.layers[i] = fitted
@@ -174,10 +179,16 @@ class BoundedDecode:
             cap = layer.capacity if layer.sliding_window is not None else None
             self.counts[i] = [n + 1 if cap is None else min(n + 1, cap) for n in self.counts[i]]
             self.peak[i] = max(self.peak[i], max(self.counts[i], default=0))
+            if cap is None:
+                self.cursors[i] += 1  # the step wrote one entry at the cursor
         if not self.carrying:
             return
         t0 = time.perf_counter()
-        fed = self.cache.layers[0].q_pos.amax(-1).tolist()  # each row's position just fed (one small read)
+        if self.fed is None:  # each row's position just fed: read once, then one more a step
+            self.fed = self.cache.layers[0].q_pos.amax(-1).tolist()
+        else:
+            self.fed = [p + 1 for p in self.fed]
+        fed = self.fed
         due = [r for r in self.carrying if (fed[r] + 1) % QUERY_WINDOW == 0]  # by position: a row's own cadence
         for layer in self.cache.layers if due else ():
             fold(layer, due, self.reduce)
