@@ -468,6 +468,8 @@ def test_a_client_leaving_mid_body_logs_no_traceback(chat_model, caplog, capfd):
                 time.sleep(0.2)
         time.sleep(0.5)
         assert httpx.get(f"{srv.url}/health", timeout=20).status_code == 200
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=20).text
+    assert 'status="499"} 3' in metrics, [m for m in metrics.splitlines() if "499" in m]
     noisy = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
     assert not noisy, [r.getMessage()[:200] for r in noisy]
     err = capfd.readouterr().err  # uvicorn's own loggers do not propagate to the root one

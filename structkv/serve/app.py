@@ -210,7 +210,9 @@ async def _not_allowed(request, exc):
 
 async def _client_gone(request, exc):
     """The client left before its body arrived: nobody to answer and nothing wrong with the server,
-    so no traceback (a client leaving mid-body on purpose could fill the disk with them)."""
+    so no traceback (a client leaving mid-body on purpose could fill the disk with them); counted
+    as nginx's 499 (client closed request) in /metrics."""
+    request.app.state.engine.metrics.request(request.url.path, 499)
     return Response(status_code=400, headers={"connection": "close"})
 
 
