@@ -126,14 +126,18 @@ def _generate(args) -> int:
     state = structkv.prefill(model, None if args.chat else prompt, method, messages=context,
                              room=longest + args.max_new_tokens, archive=archive, recall=args.recall,
                              archive_dir=args.archive_dir)
-    for q in args.question:  # compress once, ask many: each question on a copy of the compressed context
-        if len(args.question) > 1:
-            print(f"Q: {q.strip()}\nA:", end="", flush=True)
-        if args.chat:  # the document's turn is in the state; each question is a new user turn after it
-            _stream_one(model, args, None, messages=[*context, {"role": "user", "content": q}], state=state,
-                        **sampling)
-        else:
-            _stream_one(model, args, q, state=state, **sampling)
+    try:
+        for q in args.question:  # compress once, ask many: each question on a copy of the compressed context
+            if len(args.question) > 1:
+                print(f"Q: {q.strip()}\nA:", end="", flush=True)
+            if args.chat:  # the document's turn is in the state; each question is a new user turn after it
+                _stream_one(model, args, None, messages=[*context, {"role": "user", "content": q}], state=state,
+                            **sampling)
+            else:
+                _stream_one(model, args, q, state=state, **sampling)
+    finally:  # the file kept the archive out of RAM for this call's questions; no later call can find it
+        if state.archive is not None and state.archive.path is not None:
+            state.archive.path.unlink(missing_ok=True)
     return 0
 
 
@@ -470,7 +474,8 @@ def main(argv=None) -> int:
                    help="entries each archived layer recalls per question, a ratio of the prompt "
                         "or a count (default 0.2)")
     g.add_argument("--archive-dir", default=None,
-                   help="write the archive to a file in this folder (read at each question) instead of RAM")
+                   help="write the archive to a file in this folder (read at each question, removed after the last) "
+                        "instead of RAM")
     g.add_argument("--max-kv-tokens", type=_positive_int, default=None,
                    help="bound every layer's KV entries while generating: a layer about to pass N evicts down "
                         "to a lower mark (sinks and the latest entries stay; docs/methods.md, 'A KV bound while "
