@@ -226,13 +226,13 @@ def _seconds(text):
     return value
 
 
-def _int_from(text, low: int, expected: str) -> int:
-    """An int >= `low` from an option's text; argparse's error says what was `expected`."""
+def _int_from(text, low: int, expected: str, high: int | None = None) -> int:
+    """An int in [`low`, `high`] from an option's text; argparse's error says what was `expected`."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-    if value < low:
+    if value < low or (high is not None and value > high):
         raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
     return value
 
@@ -246,18 +246,12 @@ def _non_negative_int(text):
 
 
 def _port(text):
-    value = _int_from(text, 0, "a TCP port in 0..65535 (0: any free port)")
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"expected a TCP port in 0..65535 (0: any free port), got {value}")
-    return value
+    return _int_from(text, 0, "a TCP port in 0..65535 (0: any free port)", 65535)
 
 
 def _seed(text):
     """A sampling seed: an unsigned 64-bit integer, as serve's requests take."""
-    value = _int_from(text, 0, "a seed in 0..2**64-1")
-    if value >= 1 << 64:
-        raise argparse.ArgumentTypeError(f"expected a seed in 0..2**64-1, got {value}")
-    return value
+    return _int_from(text, 0, "a seed in 0..2**64-1", (1 << 64) - 1)
 
 
 def _positive_bytes(text):

@@ -339,22 +339,13 @@ def test_idle_and_excess_connections_are_closed(chat_model):
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(12)]
         time.sleep(0.3)
 
-        def closed(s):
-            s.settimeout(0.05)
-            try:
-                return s.recv(1) == b""
-            except TimeoutError:
-                return False
-            except OSError:
-                return True
-
-        assert sum(closed(s) for s in idle) == 12 - 8  # over 2 x 4: closed at once
+        assert sum(_closed(s, 0.05) for s in idle) == 12 - 8  # over 2 x 4: closed at once
         time.sleep(1.5)
-        assert all(closed(s) for s in idle)  # the rest: no request head within 1 s
+        assert all(_closed(s, 0.05) for s in idle)  # the rest: no request head within 1 s
         half = socket.create_connection(("127.0.0.1", port))
         half.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n")  # a head sent halfway
         time.sleep(1.5)
-        assert closed(half)
+        assert _closed(half, 0.05)
         assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
         for s in idle + [half]:
             s.close()
@@ -424,8 +415,9 @@ def test_requests_beyond_the_limit_in_flight_get_503_at_once():
     assert sorted(sent[:5]) == [200, 200, 503, 503, 503] and sent[5] == 200 and left == 0
 
 
-def _closed(s) -> bool:
-    s.settimeout(0.001)
+def _closed(s, wait: float = 0.001) -> bool:
+    """Whether the server closed socket `s` (waiting up to `wait` seconds for a byte)."""
+    s.settimeout(wait)
     try:
         return s.recv(1) == b""
     except TimeoutError:

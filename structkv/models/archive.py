@@ -130,10 +130,7 @@ class ArchiveLayer:
             return self
         files, names, crcs = self.source
         tensors = [files[name] for name in names]
-        for name, t in zip(names, tensors):
-            if zlib.crc32(_bytes(t)) != crcs[name]:
-                raise ArchiveError(f"archive file {files.path} is corrupt or was changed (tensor {name} fails its "
-                                   "CRC-32); delete it and compress the context again")
+        crc_check(files.path, {name: (t, crcs[name]) for name, t in zip(names, tensors)})()
         return ArchiveLayer(self.kind, tensors[:-1], tensors[-1])
 
     def to(self, device) -> "ArchiveLayer":
@@ -254,7 +251,6 @@ def _bytes(t: torch.Tensor) -> memoryview:
     """The tensor's bytes without a copy. A contiguous tensor may still carry any stride on a
     size-1 dimension (one KV head: Gemma 3 270M), which `view(uint8)` refuses: read it as the flat
     run of elements it is."""
-    t = t.detach() if t.device.type == "cpu" else t.detach().cpu()  # an archive made on a GPU is written from host
     flat = t.contiguous().as_strided((t.numel(),), (1,))
     return memoryview(flat.view(torch.uint8).numpy())
 
@@ -377,6 +373,6 @@ def crc_check(path: Path, named: dict):
     def check():
         for name, (tensor, expected) in named.items():
             if zlib.crc32(_bytes(tensor)) != expected:
-                raise ArchiveError(f"archive file {path} is corrupt (tensor {name} fails its CRC-32); delete it and "
-                                   "compress the context again")
+                raise ArchiveError(f"archive file {path} is corrupt or was changed (tensor {name} fails its CRC-32); "
+                                   "delete it and compress the context again")
     return check

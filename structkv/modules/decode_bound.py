@@ -188,8 +188,7 @@ class BoundedDecode:
             self.fed = self.cache.layers[0].q_pos.amax(-1).tolist()
         else:
             self.fed = [p + 1 for p in self.fed]
-        fed = self.fed
-        due = [r for r in self.carrying if (fed[r] + 1) % QUERY_WINDOW == 0]  # by position: a row's own cadence
+        due = [r for r in self.carrying if (self.fed[r] + 1) % QUERY_WINDOW == 0]  # by position: a row's own cadence
         for layer in self.cache.layers if due else ():
             fold(layer, due, self.reduce)
         if due:
