@@ -14,6 +14,9 @@ from structkv.ops import compact_kv_reference, window_scores, window_scores_naiv
 from structkv.ops.triton_kernels import compact_kv_triton
 
 W, HQ, HKV, D = 32, 32, 8, 128
+SWEEP = [  # Hq, Hkv, D, sliding window, softcap: GQA 1 / 4 / 8, Llama / Qwen / Gemma heads
+    (8, 8, 64, 0, 0.0), (32, 8, 128, 0, 0.0), (8, 1, 256, 512, 0.0), (16, 2, 128, 0, 50.0), (32, 4, 256, 128, 30.0),
+]
 
 
 def cuda_time(fn, repeats=10):
@@ -30,6 +33,42 @@ def cuda_time(fn, repeats=10):
     return sorted(times)[len(times) // 2]
 
 
+def correctness_sweep() -> bool:
+    """Every kernel against its reference at the heads above, bf16 and fp16, one and many key
+    splits; the quantized decode with int8 and int4 entries. Prints one line per case."""
+    from structkv.ops.kv_quant import quantize_kv, quantized_decode_attention_reference
+    from structkv.ops.triton_kernels import quantized_decode_attention_triton, window_scores_triton
+
+    ok = True
+    for hq, hkv, d, window, softcap in SWEEP:
+        for dtype in (torch.bfloat16, torch.float16):
+            g = torch.Generator(device="cuda").manual_seed(d + hq)
+            q = torch.randn(2, hq, W, d, device="cuda", dtype=dtype, generator=g)
+            k = torch.randn(2, hkv, 3000, d, device="cuda", dtype=dtype, generator=g)
+            k_pos = torch.arange(3000, device="cuda").expand(2, -1).contiguous()
+            q_pos = k_pos[:, -W:].contiguous()
+            ref_sal, ref_ent = window_scores_naive(q, k, q_pos, k_pos, d**-0.5, window, softcap)
+            for splits in (1, None, 7):
+                sal, ent = window_scores_triton(q, k, q_pos, k_pos, d**-0.5, window, softcap, splits=splits)
+                err = max((sal - ref_sal).abs().max().item(), (ent - ref_ent).abs().max().item() / 10)
+                ok &= err < 1e-4
+                print(f"window_scores Hq={hq} Hkv={hkv} D={d} window={window} softcap={softcap} {dtype} "
+                      f"splits={splits}: max err {err:.1e}", flush=True)
+            for kind in ("int8", "int4"):
+                qd = torch.randn(2, hq, 1, d, device="cuda", dtype=dtype, generator=g)
+                kq, vq = (list(quantize_kv(torch.randn(2, hkv, 3000, d, device="cuda", generator=g), kind))
+                          for _ in range(2))
+                mask = torch.rand(2, 1, 1, 3000, device="cuda", generator=g) > 0.3
+                want = quantized_decode_attention_reference(qd, kq, vq, mask, d**-0.5, kind)
+                for splits in (1, None):
+                    got = quantized_decode_attention_triton(qd, kq, vq, mask, d**-0.5, kind, splits=splits)
+                    err = (got.float() - want.float()).abs().max().item()
+                    ok &= err < 2e-2
+                    print(f"quantized_decode {kind} Hq={hq} Hkv={hkv} D={d} {dtype} splits={splits}: max err {err:.1e}",
+                          flush=True)
+    return ok
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="8192,32768,65536,131072")
@@ -37,7 +76,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("gpu_ops.py needs a CUDA device")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    ok = True
+    ok = correctness_sweep()
     rows = []
     for n in [int(x) for x in args.lengths.split(",")]:
         for dtype in (torch.bfloat16, torch.float16):

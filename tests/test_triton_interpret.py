@@ -24,16 +24,20 @@ CASES = [  # B, Hq, Hkv, w, N, D, pad, window, softcap
 ]
 
 
+@pytest.mark.parametrize("splits", [None, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", CASES)
-def test_window_scores_triton_matches_reference(case, dtype):
+def test_window_scores_triton_matches_reference(case, dtype, splits):
+    """Each dtype runs its own tl.dot (fp16 / bf16 products are exact in float32; the interpreter
+    has no bf16 arithmetic, so bf16 is checked on a GPU by benchmarks/gpu_check.sh); `splits`
+    cuts the keys of the first pass into parts merged afterwards, as a GPU at batch 1 does."""
     B, Hq, Hkv, w, N, D, pad, window, softcap = case
     g = torch.Generator().manual_seed(sum(case[:6]))
     q = torch.randn(B, Hq, w, D, generator=g).to(dtype)
     k = torch.randn(B, Hkv, N, D, generator=g).to(dtype)
     k_pos = torch.cat([torch.full((B, pad), -1), torch.arange(N - pad).expand(B, -1)], 1)
     q_pos = (k_pos[:, -1:] - w + 1 + torch.arange(w)).clamp_min(-1)
-    sal, ent = triton_kernels.window_scores_triton(q, k, q_pos, k_pos, D**-0.5, window, softcap)
+    sal, ent = triton_kernels.window_scores_triton(q, k, q_pos, k_pos, D**-0.5, window, softcap, splits=splits)
     ref_sal, ref_ent = window_scores_naive(q, k, q_pos, k_pos, D**-0.5, window, softcap)
     assert torch.allclose(sal, ref_sal, atol=1e-5, rtol=1e-4)
     assert torch.allclose(ent, ref_ent, atol=1e-4, rtol=1e-4)
@@ -84,9 +88,10 @@ QUANT_CASES = [  # B, Hq, Hkv, T, D, per-KV-head mask
 ]
 
 
+@pytest.mark.parametrize("splits", [None, 2])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("case", QUANT_CASES)
-def test_quantized_decode_attention_triton_matches_reference(case, kind):
+def test_quantized_decode_attention_triton_matches_reference(case, kind, splits):
     from structkv.ops.kv_quant import quantize_kv, quantized_decode_attention_reference
 
     B, Hq, Hkv, T, D, per_head = case
@@ -98,5 +103,5 @@ def test_quantized_decode_attention_triton_matches_reference(case, kind):
     mask[0, ..., :] = False  # a row that sees a single entry
     mask[0, ..., 3] = True
     want = quantized_decode_attention_reference(q, k, v, mask, D ** -0.5, kind)
-    got = triton_kernels.quantized_decode_attention_triton(q, k, v, mask, D ** -0.5, kind)
+    got = triton_kernels.quantized_decode_attention_triton(q, k, v, mask, D ** -0.5, kind, splits=splits)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
