@@ -75,3 +75,28 @@ def test_structure_key_sees_plain_attributes(tiny_dir):
     model.model.layers[0].self_attn.extra = {"window": 16}
     compiling.forget_structure(model)
     assert compiling.structure_key(model) not in (key, changed)
+
+
+@pytest.mark.parametrize("device, graphs", [("cuda", True), ("cpu", False)])
+def test_static_decode_step_replays_as_a_cuda_graph_on_cuda(monkeypatch, tiny_dir, device, graphs):
+    """The static decode step is compiled with inductor's CUDA graphs on CUDA, not on CPU, and a
+    batch whose rows come and go (its shapes vary) never is. Checked by the options torch.compile
+    receives: no GPU here to replay one."""
+    import structkv
+    from structkv.runtime import decoding
+
+    seen = []
+
+    def record(fn, **kw):
+        seen.append(kw.get("options", {}))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", record)
+    monkeypatch.setattr(compiling, "_COMPILED", {})
+    model = structkv.load(str(tiny_dir("llama")))
+    cache = structkv.models.StaticKVCache(model.config, 1, 16, model.dtype, model.device)
+    tokens, positions = torch.tensor([[5]]), torch.tensor([[0]])
+    decoding.step_function("inductor", device=device)(model, tokens, positions, cache)
+    assert bool(seen[-1].get("triton.cudagraphs")) is graphs
+    decoding.step_function("inductor", rows_vary=True, device=device)(model, tokens, positions + 1, cache)
+    assert not seen[-1].get("triton.cudagraphs")

@@ -21,7 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.attention import CAUSAL_BLOCK, causal_attention, decode_attention, sliding_window_attention
+from ..ops.attention import (
+    CAUSAL_BLOCK,
+    causal_attention,
+    decode_attention,
+    masked_attention,
+    rows_in_order,
+    sliding_window_attention,
+)
 from . import linear
 from .config import ModelConfig, inv_frequencies
 from .linear import Linear, skinny
@@ -108,12 +115,11 @@ class Attention(nn.Module):
         Hkv = k.shape[1]
         if S == 1 and Hkv < Hq:  # one token: K/V read in place (`decode_attention`)
             return self.o_proj(decode_attention(q, k, v, mask, self.scale).reshape(B, 1, Hq * D))
-        if mask.shape[1] not in (1, self.num_heads):  # per-KV-head mask -> per query head
-            mask = mask.repeat_interleave(self.num_heads // mask.shape[1], dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        out = masked_attention(q, k, v, mask, self.scale)  # (B, Hq, S, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # (B, S, Hq*D) -> (B, S, E)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None):
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
+                ordered: bool | None = None):
         """x (B, S, E) at `positions` (B, S) -> (attention output (B, S, E), q, k, v).
 
         Without `cache` the tokens attend to themselves (blockwise ops). With a layer cache they
@@ -123,25 +129,27 @@ class Attention(nn.Module):
         """
         q, k, v = self.qkv(x, cos, sin)
         if cache is None:
-            return self_attention(self, q, k, v, positions), q, k, v
+            return self_attention(self, q, k, v, positions, ordered), q, k, v
         return cache.attention(self, q, k, v, positions), q, k, v
 
 
-def self_attention(attn: "Attention", q, k, v, positions: torch.Tensor) -> torch.Tensor:
+def self_attention(attn: "Attention", q, k, v, positions: torch.Tensor, ordered: bool | None = None) -> torch.Tensor:
     """Attention of the tokens over themselves: (B, S, E), blockwise through opaque ops (their
-    block arithmetic on a dynamic length would otherwise add shape guards to a compiled prefill)."""
+    block arithmetic on a dynamic length would otherwise add shape guards to a compiled prefill).
+    `ordered`: `rows_in_order(positions)`, if known."""
     if attn.sliding_window is not None:
         out = sliding_window_attention(q, k, v, positions, attn.sliding_window, attn.scale)  # (B, Hq, S, D)
     else:
-        out = causal_attention(q, k, v, positions, attn.scale, CAUSAL_BLOCK)  # (B, Hq, S, D)
+        out = causal_attention(q, k, v, positions, attn.scale, CAUSAL_BLOCK, ordered)  # (B, Hq, S, D)
     B, _, S, _ = out.shape
     return attn.o_proj(out.transpose(1, 2).reshape(B, S, -1))  # (B, S, E)
 
 
-def run_block(block: "Block", h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def run_block(block: "Block", h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              ordered: bool | None = None):
     """`block(h, positions, cos, sin)` as a free function of the block, so one compiled graph
     serves every layer of a kind (the compressed prefill compiles this)."""
-    return block(h, positions, cos, sin)
+    return block(h, positions, cos, sin, ordered=ordered)
 
 
 class MLP(nn.Module):
@@ -179,9 +187,11 @@ class Block(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, g)
         self.sandwich = g
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None):
-        """h (B, S, E) -> (new h, q, k, v); `cache`: this layer's `LayerKVCache`, if any."""
-        out, q, k, v = self.self_attn(self.input_layernorm(h), positions, cos, sin, cache)
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
+                ordered: bool | None = None):
+        """h (B, S, E) -> (new h, q, k, v); `cache`: this layer's `LayerKVCache`, if any; `ordered`:
+        see `self_attention`."""
+        out, q, k, v = self.self_attn(self.input_layernorm(h), positions, cos, sin, cache, ordered)
         return self.finish(h, out), q, k, v
 
     def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -319,21 +329,30 @@ class Decoder(nn.Module):
         itself; the prefill passes a compiled one).
         """
         rope = self.rope_tables(positions)
+        ordered = self._ordered(positions, cache)
         for i in range(start, self.config.num_layers):
             layer = self.model.layers[i]
             cos, sin = rope[self.config.layer_types[i]]
             if cache is not None:
                 h, q, k, v = layer(h, positions, cos, sin, cache.layers[i])
             else:
-                h, q, k, v = (block or run_block)(layer, h, positions, cos, sin)
+                h, q, k, v = (block or run_block)(layer, h, positions, cos, sin, ordered)
             if on_layer is not None:
                 step = on_layer(i, h, positions, q, k, v)
                 if step is STOP:
                     break
                 if step is not None:
                     h, positions = step
-                    rope = self.rope_tables(positions)
+                    rope, ordered = self.rope_tables(positions), self._ordered(positions, cache)
         return h, positions
+
+    def _ordered(self, positions: torch.Tensor, cache) -> bool | None:
+        """`rows_in_order` once per set of positions, for the full-attention layers' self-attention
+        (one host read where each layer used to make two); None where no layer needs it, or inside
+        a compiled graph (a data-dependent bool there: the opaque op decides, as before)."""
+        if cache is not None or not self.config.full_attention_layers or torch.compiler.is_compiling():
+            return None
+        return rows_in_order(positions)
 
     def prompt_pass(self, tokens: torch.Tensor, positions: torch.Tensor, block=None):
         """Uncompressed prompt pass: last-token logits (B, V) and each layer's (k, v); `block`: see `run`."""

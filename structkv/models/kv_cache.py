@@ -360,12 +360,13 @@ class KVCache(nn.Module):
         return (*cache.read(k.dtype), cache.pos)
 
     def entries(self) -> list[int]:
-        """Valid entries per layer, summed over batch rows and KV heads."""
-        return [layer.entries() for layer in self.layers]
+        """Valid entries per layer, summed over batch rows and KV heads: one host read for all."""
+        return torch.stack([(layer.pos >= 0).sum() for layer in self.layers]).tolist()
 
     def nbytes(self, used: bool = True) -> list[int]:
         """K+V bytes per layer: of the valid entries (used=True) or of the allocated buffers."""
-        return [layer.entry_bytes() * (layer.entries() if used else layer.pos.numel()) for layer in self.layers]
+        counts = self.entries() if used else [layer.pos.numel() for layer in self.layers]
+        return [layer.entry_bytes() * n for layer, n in zip(self.layers, counts)]
 
     def free(self) -> int:
         """Tokens that can still be appended to every row (rings never fill)."""

@@ -41,9 +41,12 @@ def random_model(shape: str, *, dtype=torch.float32, device="cpu", seed: int = 0
     if shape not in SHAPES:
         raise ValueError(f"unknown model shape {shape!r}; valid: {', '.join(SHAPES)}")
     cfg = ModelConfig.from_hf(SHAPES[shape])
-    model = empty_decoder(cfg, tp).to_empty(device=device).to(dtype)
+    model = empty_decoder(cfg, tp).to(dtype).to_empty(device=device)  # cast on meta: no float32 copy on the device
     model.full_config = cfg
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    device = torch.device(device)
+    # Drawn where the weights live: an 8B model's numbers drawn on a host core and copied over take
+    # minutes; a GPU's generator gives other numbers than the CPU's for the same seed.
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -59,7 +62,7 @@ def random_model(shape: str, *, dtype=torch.float32, device="cpu", seed: int = 0
                 flat = p.view(-1)
                 for start in range(0, flat.numel(), 1 << 24):
                     chunk = flat[start:start + (1 << 24)]
-                    chunk.copy_(torch.randn(chunk.numel(), generator=gen).mul_(0.02))
+                    chunk.copy_(torch.randn(chunk.numel(), generator=gen, device=device).mul_(0.02))
     model.init_buffers(device)
     model.tokenizer = None
     return model.eval().requires_grad_(False)

@@ -15,7 +15,8 @@ Each slice's queries attend to the keys up to their own column, masked by origin
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from ..ops.attention import masked_attention
 
 # Tokens per slice: Gemma 3 270M's 4K prefill pauses every ~8 ms at 64 on 2 cores (median; its
 # layers' scoring between two slices is the longest stretch), against a ~50 ms decode step
@@ -27,7 +28,7 @@ def sliced_block(pause, rows: int = ROWS):
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
         raise ValueError(f"rows per slice must be a positive int, got {rows!r}")
 
-    def block(layer, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def block(layer, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ordered=None):
         attn, S = layer.self_attn, h.shape[1]
         x, parts = layer.input_layernorm(h), []
         for s in range(0, S, rows):
@@ -53,6 +54,5 @@ def _slice_attention(attn, q, k, v, q_pos: torch.Tensor, k_pos: torch.Tensor) ->
     if attn.sliding_window is not None:
         seen &= k_pos[:, None, :] > q_pos[:, :, None] - attn.sliding_window
     seen |= ~seen.any(-1, keepdim=True)  # a padding query sees every key: finite, never read
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen[:, None], scale=attn.scale,
-                                         enable_gqa=True)  # (B, Hq, r, D)
+    out = masked_attention(q, k, v, seen[:, None], attn.scale)  # (B, Hq, r, D)
     return attn.o_proj(out.transpose(1, 2).reshape(B, r, -1))  # (B, r, Hq*D) -> (B, r, E)

@@ -31,7 +31,27 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None
     return mask
 
 
-SLIDING_BLOCK = 32  # queries per block of sliding-window prefill
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    """SDPA of q (B, Hq, S, D) over k, v (B, Hkv, T, D) with a bool mask (B, 1|Hkv|Hq, S, T).
+
+    Why not always `enable_gqa=True`: on CUDA the flash kernel refuses a mask and the
+    memory-efficient one refuses grouped heads, so SDPA falls back to the math kernel, which
+    materialises (B, Hq, S, T) float32 scores (a 2048-query block at 64K on Llama-3.1-8B: 17 GB).
+    There the KV heads are repeated to Hq first (a (B, Hq, T, D) copy: 1 GB at 64K), which the
+    memory-efficient kernel takes with the mask. CPU's flash kernel takes both, so CPU reads K/V
+    in place.
+    """
+    Hq, Hkv = q.shape[1], k.shape[1]
+    if mask.shape[1] not in (1, Hq):
+        mask = mask.repeat_interleave(Hq // mask.shape[1], dim=1)  # per KV head -> per query head
+    if q.device.type != "cuda" or Hq == Hkv:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=Hq != Hkv)
+    k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)  # -> (B, Hq, T, D)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+SLIDING_BLOCK = 32  # queries per block of sliding-window prefill on CPU
+CUDA_SLIDING_BLOCK = 1024  # ... and on CUDA, one masked call per block (`_sliding_by_blocks`)
 
 
 def sliding_self_attention(q, k, v, positions: torch.Tensor, sliding_window: int, scale: float,
@@ -52,8 +72,9 @@ def sliding_self_attention(q, k, v, positions: torch.Tensor, sliding_window: int
     B, Hq, S, D = q.shape
     Hkv, W = k.shape[1], sliding_window
     if S <= W + block:  # short: one masked call reads no more pairs than the blocks would
-        mask = visible(positions, positions, W)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return masked_attention(q, k, v, visible(positions, positions, W), scale)
+    if q.device.type == "cuda":
+        return _sliding_by_blocks(q, k, v, positions, W, scale)
     nb, L = (S + block - 1) // block, W + block
     pad = nb * block - S
     q = F.pad(q, (0, 0, 0, pad))  # (B, Hq, nb*block, D)
@@ -65,8 +86,21 @@ def sliding_self_attention(q, k, v, positions: torch.Tensor, sliding_window: int
     kb = k.unfold(2, L, block).permute(0, 2, 1, 4, 3).reshape(B * nb, Hkv, L, D)  # (B*nb, Hkv, L, D)
     vb = v.unfold(2, L, block).permute(0, 2, 1, 4, 3).reshape(B * nb, Hkv, L, D)
     mask = visible(q_pos.view(B * nb, block), k_pos.unfold(1, L, block).reshape(B * nb, L), W)  # (B*nb, 1, block, L)
-    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
+    out = masked_attention(qb, kb, vb, mask, scale)
     return out.view(B, nb, Hq, block, D).transpose(1, 2).reshape(B, Hq, nb * block, D)[:, :, :S]  # (B, Hq, S, D)
+
+
+def _sliding_by_blocks(q, k, v, positions, W: int, scale: float, block: int = CUDA_SLIDING_BLOCK):
+    """The sliding layer on CUDA: one masked call per block of queries over the W keys before it
+    and its own. The CPU path's all-blocks-at-once unfold copies K/V (W + block) / block times (17x
+    at W 512) and, with grouped heads, G times more; here each call copies only its own keys."""
+    outs = []
+    for start in range(0, q.shape[2], block):
+        end = min(q.shape[2], start + block)
+        first = max(0, start - W)
+        mask = visible(positions[:, start:end], positions[:, first:end], W)  # (B, 1, block, W + block)
+        outs.append(masked_attention(q[:, :, start:end], k[:, :, first:end], v[:, :, first:end], mask, scale))
+    return torch.cat(outs, dim=2)
 
 
 @torch.library.custom_op("structkv::sliding_window_attention", mutates_args=())
@@ -86,17 +120,27 @@ sliding_window_attention.register_fake(_shaped_like_q)
 CAUSAL_BLOCK = 2048  # queries per block of full-attention prefill
 
 
-def causal_self_attention(q, k, v, positions: torch.Tensor, scale: float, block: int = CAUSAL_BLOCK) -> torch.Tensor:
+def rows_in_order(positions: torch.Tensor) -> bool:
+    """Whether every row is unpadded with increasing positions (so the mask is the causal
+    triangle): one host read, which `Decoder.run` makes once per set of positions, not per layer."""
+    return bool(((positions[:, :1] >= 0).all() & (positions[:, 1:] > positions[:, :-1]).all()))
+
+
+def causal_self_attention(q, k, v, positions: torch.Tensor, scale: float, block: int = CAUSAL_BLOCK,
+                          ordered: bool | None = None) -> torch.Tensor:
     """Self-attention of a full-attention layer without an (S, S) mask. Rows without padding whose
     positions increase (a whole prompt, or a kept subset of one) take SDPA's causal path; otherwise
     blocks of `block` queries attend over the keys up to the block's end with a (block, end) mask.
 
     q (B, Hq, S, D), k, v (B, Hkv, S, D), positions (B, S) -> (B, Hq, S, D). Exact for any token
     subset whose positions increase with the index (padding, -1, first): a key after a query's
-    block is in its future. Registered as an opaque op (`structkv::causal_attention`).
+    block is in its future. Registered as an opaque op (`structkv::causal_attention`). `ordered`:
+    `rows_in_order(positions)` when the caller knows it (None: read here, one host read).
     """
     S = q.shape[2]
-    if bool((positions[:, :1] >= 0).all()) and bool((positions[:, 1:] > positions[:, :-1]).all()):
+    if ordered is None:
+        ordered = rows_in_order(positions)
+    if ordered:
         # No padding and increasing positions: position order is index order, so the mask is the
         # causal triangle and SDPA's causal kernels skip the future blocks without any mask.
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -104,15 +148,14 @@ def causal_self_attention(q, k, v, positions: torch.Tensor, scale: float, block:
     for start in range(0, S, block):
         end = min(S, start + block)
         mask = visible(positions[:, start:end], positions[:, :end], None)  # (B, 1, block, end)
-        outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], attn_mask=mask,
-                                                   scale=scale, enable_gqa=True))
+        outs.append(masked_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask, scale))
     return torch.cat(outs, dim=2)
 
 
 @torch.library.custom_op("structkv::causal_attention", mutates_args=())
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
-               block: int) -> torch.Tensor:
-    return causal_self_attention(q, k, v, positions, scale, block).contiguous()
+                     block: int, ordered: bool | None = None) -> torch.Tensor:
+    return causal_self_attention(q, k, v, positions, scale, block, ordered).contiguous()
 
 
 causal_attention.register_fake(_shaped_like_q)

@@ -52,9 +52,9 @@ def window_scores_reference(q, k, q_pos, k_pos, scale: float, sliding_window: in
     Hkv, N = k.shape[1], k.shape[2]
     G = Hq // Hkv
     qg = q.float().reshape(B, Hkv, G, w, D)  # (B, Hkv, G, w, D)
-    m = torch.full((B, Hkv, G, w), float("-inf"))
-    l = torch.zeros(B, Hkv, G, w)
-    e = torch.zeros(B, Hkv, G, w)
+    m = torch.full((B, Hkv, G, w), float("-inf"), device=q.device)
+    l = torch.zeros(B, Hkv, G, w, device=q.device)
+    e = torch.zeros(B, Hkv, G, w, device=q.device)
     for s in range(0, N, chunk):  # pass 1: online max, sum of exp, sum of exp * logit
         x = _logits(qg, k[:, :, s:s + chunk], scale, softcap)  # (B, Hkv, G, w, c)
         hidden = ~_visible(q_pos, k_pos[:, s:s + chunk], sliding_window)
@@ -71,7 +71,7 @@ def window_scores_reference(q, k, q_pos, k_pos, scale: float, sliding_window: in
     lse = torch.where(seen, m + torch.log(l_safe), float("inf"))  # +inf: an unseen row contributes 0
     ent = torch.where(seen, lse - e / l_safe, 0.0).reshape(B, Hq, w).clamp_min(0.0) if entropy else q.new_zeros(
         (B, Hq, 0), dtype=torch.float32)
-    saliency = torch.zeros(B, Hkv, N)
+    saliency = torch.zeros(B, Hkv, N, device=q.device)
     for s in range(0, N, chunk):  # pass 2: normalised probabilities, summed over group and window
         x = _logits(qg, k[:, :, s:s + chunk], scale, softcap)
         x.masked_fill_(~_visible(q_pos, k_pos[:, s:s + chunk], sliding_window), float("-inf"))

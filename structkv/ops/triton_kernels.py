@@ -121,7 +121,8 @@ def window_config(w: int, d: int, dtype: torch.dtype) -> dict:
     every product in registers, and larger tiles spill (checked by tests/test_triton_aot.py)."""
     block_d = max(16, triton.next_power_of_2(d))
     if dtype == torch.float32:
-        return dict(BLOCK_W=16, BLOCK_N=16 if block_d > 64 else 32, BLOCK_D=block_d, num_warps=8 if block_d > 128 else 4)
+        return dict(BLOCK_W=16, BLOCK_N=16 if block_d > 64 else 32, BLOCK_D=block_d,
+                    num_warps=8 if block_d > 128 else 4)
     block_w = min(64, max(16, triton.next_power_of_2(w)))
     return dict(BLOCK_W=block_w, BLOCK_N=64 if block_d <= 128 else 32, BLOCK_D=block_d)
 

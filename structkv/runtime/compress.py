@@ -588,9 +588,10 @@ def prefill_stats(model, method, lengths, processed, cache, prop, prefill_s: flo
     pivots = prop.pivots if prop is not None else [None] * len(lengths)
     kept = cache.nbytes()
     totals = timer.totals if timer.enabled else None
+    prompt = lengths.tolist()
     return PrefillStats(
-        method=method.name, prompt_tokens=lengths.tolist(), tokens_per_layer=processed,
-        prefill_fraction=sum(processed) / (cfg.num_layers * int(lengths.sum())),
+        method=method.name, prompt_tokens=prompt, tokens_per_layer=processed,
+        prefill_fraction=sum(processed) / (cfg.num_layers * sum(prompt)),
         pivot_layer=pivots if len(pivots) > 1 else pivots[0], kv_entries_per_layer=cache.entries(),
         kv_bytes_per_layer=kept, kv_bytes_allocated_per_layer=cache.nbytes(used=False),
         kv_bytes_full_layers=sum(kept[i] for i in cfg.full_attention_layers), prefill_s=prefill_s,
@@ -621,9 +622,9 @@ def layer_block(compile, cfg):
 
     fn = compiled(run_block, "inductor" if compile is True else compile, fullgraph=True)
 
-    def block(layer, h, positions, cos, sin):
+    def block(layer, h, positions, cos, sin, ordered=None):
         for x, dim in ((h, 1), (positions, 1), (cos, 2), (sin, 2)):
             torch._dynamo.mark_dynamic(x, dim, min=2, max=cfg.max_position_embeddings)
-        return fn(layer, h, positions, cos, sin)
+        return fn(layer, h, positions, cos, sin, ordered)  # `ordered` a Python bool: one graph per value
 
     return block

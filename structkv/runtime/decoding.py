@@ -27,6 +27,17 @@ def decode_step(model, tokens, positions, cache):
 # input's sizes and strides on every call (1,057 Python calls a step for SmolLM2, ~1 us each,
 # measured), facts `structure_key` (the model's weights) and dynamo's guards (the cache) already hold.
 DECODE_INDUCTOR = {"size_asserts": False}
+# On CUDA the static decode graph is also replayed as a CUDA graph (inductor's "triton.cudagraphs",
+# what mode="reduce-overhead" turns on): a step's hundreds of kernel launches become one replay.
+# The step reads nothing back to the host and writes the cache in place (module buffers, static
+# to the graph), as CUDA graphs need (tests/test_cuda_trace.py). Never run on the CPU reference
+# machine; `benchmarks/gpu_check.sh` runs it where a GPU is lent.
+DECODE_INDUCTOR_CUDA = {**DECODE_INDUCTOR, "triton.cudagraphs": True}
+
+
+def decode_inductor(device) -> dict:
+    """Inductor options of the static decode graph on `device`."""
+    return DECODE_INDUCTOR_CUDA if device is not None and torch.device(device).type == "cuda" else DECODE_INDUCTOR
 
 
 def compiled_decode(backend="inductor", inductor: dict = DECODE_INDUCTOR):
@@ -68,12 +79,13 @@ def compiled_batch_decode(backend="inductor"):
     return call
 
 
-def step_function(backend=None, rows_vary: bool = False):
+def step_function(backend=None, rows_vary: bool = False, device=None):
     """The decode step for `backend` (a torch.compile backend, or None: eager); `rows_vary`: rows
-    join and leave between steps (`compiled_batch_decode`)."""
+    join and leave between steps (`compiled_batch_decode`, no CUDA graphs: its shapes vary);
+    `device`: the model's (a static graph on CUDA replays as a CUDA graph)."""
     if not backend:
         return decode_step
-    return compiled_batch_decode(backend) if rows_vary else compiled_decode(backend)
+    return compiled_batch_decode(backend) if rows_vary else compiled_decode(backend, decode_inductor(device))
 
 
 def backends(model, compile, max_new_tokens) -> tuple:

@@ -119,7 +119,7 @@ def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, tem
     t1 = time.perf_counter()
     cache, stats, B = run.cache, run.stats, run.logits.shape[0]
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
-    rows = Decoding(model, cache, run.logits, run.next_pos, step_function(decode_backend), bounded(model, cache, bound))
+    rows = Decoding(model, cache, run.logits, run.next_pos, step_function(decode_backend, device=model.device), bounded(model, cache, bound))
     ids, steps = decode_tokens(rows, max_new_tokens, temperature, top_k, top_p, stop_at_eos, generator, stream)
     cache = rows.cache
     sync(model.device)
@@ -133,7 +133,7 @@ def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, tem
         "decode_tokens_per_s": (steps - 1) * B / (t2 - t1) if steps > 1 and t2 > t1 else float("nan"),
         "kv_cache_bytes": sum(layer.nbytes() for layer in cache.layers),  # allocated, room included
         "kv_bytes_kept": run.kept,
-        "kv_entries": sum(int((layer.pos >= 0).sum()) for layer in cache.layers),
+        "kv_entries": sum(cache.entries()),
         "compiled_parts": [part for part, b in (("prefill", backend), ("decode", decode_backend)) if b],
         **(rows.bound.stats() if rows.bound is not None else {}),
     })
@@ -276,7 +276,7 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
     backend = "inductor" if compile is True else compile
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
     t1 = time.perf_counter()
-    rows = Decoding(model, cache, logits, next_pos, step_function(backend), bounded(model, cache, max_kv_tokens))
+    rows = Decoding(model, cache, logits, next_pos, step_function(backend, device=model.device), bounded(model, cache, max_kv_tokens))
     ids, steps = decode_tokens(rows, max_new_tokens, temperature, top_k, top_p, stop_at_eos, generator)
     sync(model.device)
     decode_s = time.perf_counter() - t1
@@ -373,7 +373,7 @@ def _full_prefill(model, tokens, positions, max_new_tokens, backend, decode_back
     capacity = round_capacity(S + max_new_tokens)
     cache = StaticKVCache(model.config, B, capacity, model.dtype, model.device, model.kv_dtype)
     if S == 1:  # a one-token prompt is a decode step (keeps the prefill graph dynamic, min length 2)
-        return cache, step_function(decode_backend)(model, tokens, positions, cache)
+        return cache, step_function(decode_backend, device=model.device)(model, tokens, positions, cache)
     if block is not None:
         logits, kv = model.prompt_pass(tokens, positions, block=block)
     else:
