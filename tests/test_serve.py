@@ -334,7 +334,7 @@ def test_idle_and_excess_connections_are_closed(chat_model):
     server's file descriptors (issue 32: 1030 idle sockets locked every client out)."""
     import socket
 
-    with Background(app_for(chat_model, settings()), max_connections=4, head_timeout_s=1.0) as srv:
+    with Background(app_for(chat_model, settings()), max_connections=4, head_timeout_s=1.0, per_client=12) as srv:
         port = int(srv.url.rsplit(":", 1)[1])
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(12)]
         time.sleep(0.3)
@@ -386,6 +386,31 @@ def test_a_slowloris_client_does_not_crowd_out_an_honest_one(chat_model):
         stop.set()
         attacker.join(10)
     assert answered >= 18, f"{answered} of 20 honest requests answered"
+
+
+def test_one_address_holds_at_most_its_share_of_connections(chat_model):
+    """A client address past its share (default three quarters of the open-connection limit)
+    loses its own oldest waiting connections, not another address's, even past the limit: a second
+    client's idle connections stay open and its requests are answered while the first keeps 20
+    sockets open."""
+    import socket
+
+    def from_address(host, port):
+        s = socket.socket()
+        s.bind((host, 0))
+        s.connect(("127.0.0.1", port))
+        return s
+
+    with Background(app_for(chat_model, settings()), max_connections=4, head_timeout_s=10.0) as srv:
+        port = int(srv.url.rsplit(":", 1)[1])
+        other = [from_address("127.0.0.3", port) for _ in range(3)]
+        flood = [from_address("127.0.0.2", port) for _ in range(20)]
+        time.sleep(0.3)
+        assert sum(not _closed(s, 0.02) for s in flood) == 5  # its share (6), less room for the 3 others
+        assert not any(_closed(s, 0.02) for s in other)
+        assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
+        for s in other + flood:
+            s.close()
 
 
 def test_requests_beyond_the_limit_in_flight_get_503_at_once():

@@ -25,21 +25,23 @@ class Server(uvicorn.Server if uvicorn is not None else object):
 
 
 def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-                   max_connections: int = 64, grace_s: float = 120.0, head_timeout_s: float = 10.0):
+                   max_connections: int = 64, grace_s: float = 120.0, head_timeout_s: float = 10.0,
+                   per_client: int | None = None):
     # Graceful shutdown: on SIGINT/SIGTERM uvicorn stops accepting, lets running requests finish
     # (up to `grace_s`), cancels the rest (their jobs stop at the next token), then the app's
     # lifespan closes the engine, dropping what is still queued. Beyond `max_connections`
     # requests in flight new ones get 503 at once (`connections.RequestLimit`; idle sockets do not
     # count); idle keep-alive connections close after 5 s; a connection without a request head
     # after `head_timeout_s` closes, and beyond twice `max_connections` open ones a new connection
-    # takes the place of the oldest one still waiting for its head (`connections.protocol`).
+    # takes the place of the oldest one still waiting for its head; one client address holds at most
+    # `per_client` open connections (default 1.5 x `max_connections`) (`connections.protocol`).
     # asyncio accepts up to `backlog` sockets per loop turn before any of them is seen (and closed):
     # uvicorn's 2048 let a flood take every descriptor in one turn, so it is BACKLOG here.
     from .connections import BACKLOG, RequestLimit, protocol
 
     return uvicorn.Config(RequestLimit(app, max_connections), host=host, port=port, log_level=log_level,
                           timeout_graceful_shutdown=grace_s, lifespan="on", timeout_keep_alive=5,
-                          http=protocol(head_timeout_s, 2 * max_connections), backlog=BACKLOG)
+                          http=protocol(head_timeout_s, 2 * max_connections, per_client), backlog=BACKLOG)
 
 
 class Background:
