@@ -119,7 +119,8 @@ def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, tem
     t1 = time.perf_counter()
     cache, stats, B = run.cache, run.stats, run.logits.shape[0]
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
-    rows = Decoding(model, cache, run.logits, run.next_pos, step_function(decode_backend, device=model.device), bounded(model, cache, bound))
+    step = step_function(decode_backend, device=model.device)
+    rows = Decoding(model, cache, run.logits, run.next_pos, step, bounded(model, cache, bound))
     ids, steps = decode_tokens(rows, max_new_tokens, temperature, top_k, top_p, stop_at_eos, generator, stream)
     cache = rows.cache
     sync(model.device)
@@ -276,7 +277,8 @@ def generate_states(model, states, *, max_new_tokens: int = 64, temperature: flo
     backend = "inductor" if compile is True else compile
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
     t1 = time.perf_counter()
-    rows = Decoding(model, cache, logits, next_pos, step_function(backend, device=model.device), bounded(model, cache, max_kv_tokens))
+    step = step_function(backend, device=model.device)
+    rows = Decoding(model, cache, logits, next_pos, step, bounded(model, cache, max_kv_tokens))
     ids, steps = decode_tokens(rows, max_new_tokens, temperature, top_k, top_p, stop_at_eos, generator)
     sync(model.device)
     decode_s = time.perf_counter() - t1
