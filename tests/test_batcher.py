@@ -226,3 +226,44 @@ def test_any_accepted_sampling_beside_a_greedy_row_never_changes_it(tiny_llama, 
 @pytest.fixture(scope="module")
 def tiny_llama(tiny_dir):
     return structkv.load(tiny_dir("llama"))
+
+
+@pytest.mark.parametrize("where", ["callback", "sampling"])
+def test_a_row_that_fails_ends_alone_and_the_others_go_on(tiny_llama, monkeypatch, where):
+    """A failure in one row's own work (its token callback raising, or its sampling) ends that row
+    with `finish == "error"` and its exception; the rows beside it keep their lone answers (one
+    failure used to end the whole step, every row answered 500)."""
+    import structkv.serve.batcher as batcher
+
+    ids = [prompt(30, 5), prompt(40, 6), prompt(35, 7)]
+    want = [alone(tiny_llama, p, "full", 6, {}) for p in ids]
+    batch = Batch(tiny_llama)
+    batch.eos = set()
+    rows = [row(tiny_llama, p, "full", 6, {}) for p in ids]
+    calls = []
+
+    def bad_callback(token):
+        calls.append(token)
+        if len(calls) == 3:
+            raise RuntimeError("a client's stream broke")
+
+    if where == "callback":
+        rows[1].on_token = bad_callback
+    else:
+        real = batcher.sample
+
+        def failing(logits, temperature, top_k, top_p, generator):
+            if temperature == 0.5:
+                raise RuntimeError("sampling failed")
+            return real(logits, temperature, top_k, top_p, generator)
+
+        monkeypatch.setattr(batcher, "sample", failing)
+        rows[1].temperature = 0.5
+    for r in rows:
+        batch.join(r)
+    ended = []
+    while len(batch):
+        ended += batch.step()
+    assert rows[1].finish == "error" and isinstance(rows[1].error, RuntimeError)
+    assert rows[1] in ended
+    assert [rows[0].tokens, rows[2].tokens] == [want[0], want[2]]

@@ -513,6 +513,25 @@ def test_prompt_token_limit_and_oversized_text_refused_before_tokenizing(chat_mo
         assert ok.status_code == 200
 
 
+def test_a_text_over_the_token_limit_is_refused_after_counting_about_the_limit(chat_model, monkeypatch):
+    """A text under the character bound but over --max-prompt-tokens is counted in pieces that stop
+    once past the limit: refused after tokenizing about the limit's worth, not the whole text (it
+    used to be tokenized whole, with its chat template, before the limit was checked)."""
+    import structkv.serve.engine as engine
+
+    monkeypatch.setattr(engine, "COUNT_PIECE", 50)
+    calls = []
+    encode = chat_model.tokenizer.encode
+    monkeypatch.setattr(chat_model.tokenizer, "encode",
+                        lambda text, **kw: calls.append(len(text)) or encode(text, **kw))
+    with Background(app_for(chat_model, settings(max_prompt_tokens=40))) as srv:
+        text = "word " * 140  # 700 characters: under the bound of 40 tokens x the longest token x 4
+        r = post(srv, "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": text}],
+                                               "max_tokens": 2})
+        assert r.status_code == 400 and "refused after counting" in r.json()["error"]["message"]
+        assert sum(calls) <= 200, calls
+
+
 class Gate:
     """Slows every generated token of a server's engine so that requests overlap for sure; counts
     the tokens in `produced`."""

@@ -46,6 +46,7 @@ class Row:
     peers: int = 1  # the most rows it decoded with
     generator: torch.Generator | None = None
     bound: object = None  # a `DecodeBound` while generating (None: unbounded)
+    error: Exception | None = None  # what ended this row alone (finish "error"); the others went on
 
     def __post_init__(self):
         if self.seed is not None:
@@ -110,9 +111,8 @@ class Batch:
             r.peers = max(r.peers, len(rows))
         fed = self.running.logits if self.running is not None else None
         logits = torch.cat([x for x in (fed, *(r.started.logits for r in self.joining)) if x is not None])
-        tokens = torch.cat([sample(logits[i:i + 1], r.temperature, None, r.top_p, r.generator)
-                            for i, r in enumerate(rows)])  # (R,)
-        ended = [r.take(t, self.eos) for r, t in zip(rows, tokens.tolist())]
+        tokens = torch.cat([self._sample(r, logits[i:i + 1]) for i, r in enumerate(rows)])  # (R,)
+        ended = [self._take(r, t) for r, t in zip(rows, tokens.tolist())]
         keep = [i for i, e in enumerate(ended) if not e]
         if keep:
             self._restack(keep)
@@ -121,6 +121,25 @@ class Batch:
             self.running = None
         self.rows, self.joining = [rows[i] for i in keep], []
         return [r for r, e in zip(rows, ended) if e]
+
+    @staticmethod
+    def _sample(row: Row, logits: torch.Tensor) -> torch.Tensor:
+        """Row's next token (1,); a row whose sampling fails ends alone (its token is never fed)."""
+        try:
+            return sample(logits, row.temperature, None, row.top_p, row.generator)
+        except Exception as e:  # noqa: BLE001 - one row's failure is that row's answer, not the batch's
+            row.error = e
+            return torch.zeros(1, dtype=torch.long, device=logits.device)
+
+    def _take(self, row: Row, token: int) -> bool:
+        """`row.take`, with a failure (its callback, its stop strings) ending that row alone."""
+        if row.error is None:
+            try:
+                return row.take(token, self.eos)
+            except Exception as e:  # noqa: BLE001
+                row.error = e
+        row.finish = "error"
+        return True
 
     def cancel_all(self) -> list[Row]:
         """End every row (shutdown); returns them."""

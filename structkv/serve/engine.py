@@ -50,6 +50,16 @@ SEPARATOR = "\n\n"  # between an explicit context and the first user message's o
 
 TOKENIZING = 2  # requests tokenized at once (a large document's ids and text are both in memory)
 NORMALIZATION_SLACK = 4  # characters a normalizer may fold into one before tokens are counted
+# Texts past the character bound's reach are counted in whitespace-cut pieces of COUNT_PIECE
+# characters, stopping once the count passes the prompt limit: a text far over the limit costs
+# about the limit's worth of tokenizing, not its own (4M characters took ~16 s on the 2-core CPU).
+# Pieces tokenized alone count the tokens around each cut differently from the whole text (a few at
+# most, the cut is before a space where there is one): CUT_SLACK per cut keeps the count a lower
+# bound. Only texts longer than the limit times COUNT_FROM_CHARS_PER_TOKEN are counted (English
+# prose is 4-5 characters a token), so a document that fits is rarely tokenized twice.
+COUNT_PIECE = 1 << 16
+CUT_SLACK = 16
+COUNT_FROM_CHARS_PER_TOKEN = 6
 
 @dataclass
 class Settings:
@@ -224,13 +234,37 @@ class Engine:
         return Job(req, method, key, prefix, rest, max_new, loop)
 
     def _refuse_oversized_text(self, req: Request) -> None:
-        chars = len(req.prompt or "") + len(req.context or "") + sum(len(m["content"]) for m in req.messages or ())
+        texts = [req.prompt or "", req.context or "", *(m["content"] for m in req.messages or ())]
+        chars = sum(map(len, texts))
         # NORMALIZATION_SLACK: a tokenizer's normalizer may merge characters (composed accents)
         most = self.prompt_limit * self._longest_token * NORMALIZATION_SLACK
+        param = "messages" if req.kind == "chat" else "prompt"
         if chars > most:
             raise APIError(400, f"this request's text has {chars} characters, more than {self.prompt_limit} prompt "
                            "tokens can hold; refused before tokenizing (shorten the context)",
-                           param="messages" if req.kind == "chat" else "prompt", code="context_length_exceeded")
+                           param=param, code="context_length_exceeded")
+        if chars > self.prompt_limit * COUNT_FROM_CHARS_PER_TOKEN:
+            with self._tokenizing:
+                counted = self._tokens_at_least(texts, self.prompt_limit)
+            if counted > self.prompt_limit:
+                raise APIError(400, f"this request's text has over {self.prompt_limit} prompt tokens, this server's "
+                               "limit (structkv serve --max-prompt-tokens); refused after counting the first "
+                               f"{counted} (shorten the context)", param=param, code="context_length_exceeded")
+
+    def _tokens_at_least(self, texts: list[str], enough: int) -> int:
+        """A lower bound on the tokens of `texts`, counted in whitespace-cut pieces until it passes
+        `enough` (so it costs about `enough` tokens' worth of tokenizing)."""
+        counted = 0
+        for text in texts:
+            start = 0
+            while start < len(text) and counted <= enough:
+                end = len(text) if len(text) - start <= COUNT_PIECE else text.rfind(" ", start + 1, start + COUNT_PIECE)
+                end = start + COUNT_PIECE if end <= start else end  # no space in the piece: cut anyway
+                cut = end < len(text)
+                counted += max(0, len(self.model.tokenizer.encode(text[start:end], add_bos=False, special=False))
+                               - CUT_SLACK * cut)
+                start = end
+        return counted
 
     def submit(self, job: Job) -> None:
         try:
@@ -461,6 +495,10 @@ class Engine:
     def _finish(self, row: Row) -> None:
         run, done = row.tag, time.perf_counter()
         job, started = run.job, row.started
+        if row.error is not None:  # this row alone failed; the batch went on without it
+            log.error("request %s failed: %s: %s", job.req.id, type(row.error).__name__, row.error)
+            job.emit("error", _internal(row.error))
+            return
         tail = run.text.finish()
         if tail:
             job.emit("delta", tail)
