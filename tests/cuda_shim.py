@@ -1,6 +1,6 @@
 """Run real code as if on a GPU, on this CPU-only torch: `cuda_trace()` makes `device="cuda"`
 tensors real CPU tensors that report `cuda:0`, raises on any op that mixes them with a CPU tensor
-(as CUDA would), and counts host reads (`.item()`, `bool()`, `.cpu()`, `nonzero`, a synchronize)
+(as CUDA would) or reaches a `structkv::` kernel that exists only for the CPU, and counts host reads (`.item()`, `bool()`, `.cpu()`, `nonzero`, a synchronize)
 and host-to-device copies. The values are real, so control flow and answers are those of a real
 run.
 
@@ -27,6 +27,10 @@ CUDA = torch.device("cuda", 0)
 
 class DeviceMismatch(RuntimeError):
     pass
+
+
+class CpuOnlyOp(RuntimeError):
+    """A `structkv::` op with no CUDA kernel (a C++ CPU kernel) was called with cuda:0 tensors."""
 
 
 @dataclass
@@ -114,6 +118,9 @@ def _dispatch(func, args, kwargs):
             return body(*args, **kwargs)
     tensors = [a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)]
     on_cuda = [t for t in tensors if isinstance(t, OnCuda)]
+    if on_cuda and func.namespace == "structkv" and not torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), "CUDA"):
+        raise CpuOnlyOp(f"{func.name()} has only a CPU kernel and was called with cuda:0 tensors")
     cpu = [t for t in tensors if not isinstance(t, OnCuda) and t.dim() > 0]  # CUDA accepts CPU scalars
     if on_cuda and cpu:
         raise DeviceMismatch(f"{func}: cuda:0 tensors mixed with CPU tensors of shapes "

@@ -13,7 +13,7 @@ import collections
 import pytest
 import torch
 import torch.nn.functional as F
-from cuda_shim import cuda_trace
+from cuda_shim import CpuOnlyOp, cuda_trace
 
 import structkv
 from structkv import methods
@@ -192,3 +192,24 @@ def test_kv_bound_reads_only_when_it_evicts_or_folds(tiny_dir, monkeypatch, arch
     quiet = [reads for reads, evicted in steps if not evicted]
     assert sum(1 for e in steps if e[1]) >= 2  # the bound did evict
     assert sum(1 for r in quiet if r) <= 1 + len(steps) // decode_bound.QUERY_WINDOW + 1, steps
+
+
+def test_every_structkv_op_has_a_fake_and_cpu_only_ones_are_caught(monkeypatch):
+    """Every `structkv::` op has a fake implementation (a compiled graph or FakeTensorMode needs one),
+    and the trace refuses a CPU-only kernel (the C++ decode and tiled products) given cuda:0 tensors."""
+    from torch._library.simple_registry import singleton
+
+    from structkv.ops import cpu_decode, tiled_linear
+
+    monkeypatch.undo()  # the real `available`, not the fixture's stand-in
+    cpu_decode.available(), tiled_linear.available()  # their C++ ops register on first use
+    names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("structkv::")]
+    assert len(names) >= 10, names
+    assert [n for n in names if singleton.find(n).fake_impl.kernel is None] == []
+    if not cpu_decode.available():
+        pytest.skip("the C decode kernel did not build here")
+    with cuda_trace():
+        q, k = torch.zeros(1, 2, 1, 64, device="cuda"), torch.zeros(1, 1, 8, 64, device="cuda")
+        mask = torch.ones(1, 1, 1, 8, dtype=torch.bool, device="cuda")
+        with pytest.raises(CpuOnlyOp):
+            torch.ops.structkv.cpu_decode_attention(q, [k], [k], mask, 0.125, "float", 1)
