@@ -1,8 +1,8 @@
 """Run real code as if on a GPU, on this CPU-only torch: `cuda_trace()` makes `device="cuda"`
 tensors real CPU tensors that report `cuda:0`, raises on any op that mixes them with a CPU tensor
-(as CUDA would) or reaches a `structkv::` kernel that exists only for the CPU, and counts host reads (`.item()`, `bool()`, `.cpu()`, `nonzero`, a synchronize)
-and host-to-device copies. The values are real, so control flow and answers are those of a real
-run.
+(as CUDA would) or reaches a `structkv::` kernel that exists only for the CPU, and counts host
+reads (`.item()`, `bool()`, `.cpu()`, `nonzero`, a synchronize) and host-to-device copies. The
+values are real, so control flow and answers are those of a real run.
 
 Private torch APIs it leans on: `torch.Tensor._make_wrapper_subclass` (a tensor whose reported
 device differs from its storage's, as FakeTensor does); a `TorchDispatchMode` in FakeTensorMode's
