@@ -51,7 +51,9 @@ def _demo(args) -> int:
     print(f"\nRULER {', '.join(DEMO_TASKS)} at {args.tokens} tokens, {args.samples} samples each, "
           f"R_KV {args.kv_budget}, R_struct {args.struct_budget} ({time.perf_counter() - t0:.0f} s incl. compiles)\n")
     print(summary_markdown(result))
-    print("prefill s and decode tok/s are medians over calls that did not compile; KV MiB kept counts the "
+    print("prefill s is a median over calls that did not compile (every method's answer is decoded in one "
+          "shared batch, so no method has a decode speed of its own: `structkv eval --separate` measures them); "
+          "KV MiB kept counts the "
           "entries the compression kept in every layer (after FastKV's or StructKV's propagation, Gemma 3's "
           "later sliding-window layers hold only the skeleton's tokens of their window), alloc the buffers.")
     print(f"table, predictions and plots in {args.out}/")

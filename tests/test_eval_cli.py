@@ -23,6 +23,7 @@ def test_ruler_run_writes_every_file_and_resumes(byte_model_dir, tmp_path, capsy
     assert main(["eval", "ruler", "--model", str(byte_model_dir), "--out", str(out), *ARGS]) == 0
     printed = capsys.readouterr().out
     assert "| method | R_KV | length | niah_single_1 | vt | avg |" in printed
+    assert "decode tok/s" not in printed  # one stacked decode for every method: no speed of its own to show
     files = {p.name for p in out.iterdir()}
     assert {"config.json", "predictions.jsonl", "metrics.json", "summary.md",
             "accuracy_vs_budget_1536.png", "tasks_1536.png"} <= files

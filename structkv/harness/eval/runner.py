@@ -591,8 +591,12 @@ def summary_markdown(result: dict, cfg: EvalConfig | None = None) -> str:
     rows = result["rows"]
     tasks = sorted({t for r in rows for t in r["tasks"]})
     recall = any(r.get("archive_bytes") is not None for r in rows)
+    # A shared run decodes every method in one stacked batch: no method has a decode speed of its
+    # own (`--separate` measures them), so the column is left out rather than shown as "-" everywhere.
+    speeds = any(r["decode_tokens_per_s"] is not None for r in rows)
     head = ["method", "R_KV", "length", *tasks, "avg", "samples", "prefill s", "prefill frac", "KV MiB kept",
-            "KV MiB alloc", "decode tok/s", *(["archive MiB", "recalled MiB", "question s"] if recall else [])]
+            "KV MiB alloc", *(["decode tok/s"] if speeds else []),
+            *(["archive MiB", "recalled MiB", "question s"] if recall else [])]
     lines = []
     if cfg is not None:
         asked = set(cfg.tasks or cfg.all_tasks())
@@ -612,8 +616,9 @@ def summary_markdown(result: dict, cfg: EvalConfig | None = None) -> str:
         cells += [f"{r['average']:.1f}", str(sum(r["n"].values())), f"{r['prefill_s']:.2f}",
                   f"{r['prefill_fraction']:.2f}",
                   "-" if r.get("kv_bytes_kept") is None else f"{r['kv_bytes_kept'] / 2**20:.2f}",
-                  f"{r['kv_cache_bytes'] / 2**20:.1f}",
-                  f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] is not None else "-"]
+                  f"{r['kv_cache_bytes'] / 2**20:.1f}"]
+        if speeds:
+            cells.append(f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] is not None else "-")
         if recall:
             cells += ["-" if r.get(k) is None else f"{r[k] / d:.{p}f}" for k, d, p in (
                 ("archive_bytes", 2**20, 2), ("kv_bytes_recalled", 2**20, 3), ("question_s", 1, 3))]
