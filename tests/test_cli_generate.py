@@ -249,3 +249,16 @@ def test_generate_refuses_a_seed_out_of_range_before_loading(seed, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "hello", "--seed", seed])
     assert "seed in 0..2**64-1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("temperature", ["1e-300", "1e-45"])
+def test_a_tiny_temperature_generates_greedily_without_a_traceback(byte_model_dir, capsys, temperature):
+    """`--temperature 1e-300` printed a traceback (logits / t overflowed float32, multinomial raised);
+    it now decodes as its limit, greedy: the same text as --temperature 0."""
+    from structkv.cli import main
+
+    assert main(["generate", "--model", str(byte_model_dir), "--max-new-tokens", "6", "--temperature", temperature,
+                 "--seed", "1", "hello"]) == 0
+    tiny = capsys.readouterr().out
+    assert main(["generate", "--model", str(byte_model_dir), "--max-new-tokens", "6", "hello"]) == 0
+    assert tiny == capsys.readouterr().out
