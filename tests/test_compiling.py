@@ -100,3 +100,31 @@ def test_static_decode_step_replays_as_a_cuda_graph_on_cuda(monkeypatch, tiny_di
     assert bool(seen[-1].get("triton.cudagraphs")) is graphs
     decoding.step_function("inductor", rows_vary=True, device=device)(model, tokens, positions + 1, cache)
     assert not seen[-1].get("triton.cudagraphs")
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "bf16", "int8", "int4"])
+def test_batch_step_sources_name_every_cache_buffer(tiny_dir, kv_dtype):
+    """Serve's batch step marks the rows (dim 0) and capacity (dim 2) of the cache's buffers dynamic
+    by name (`decoding.ROWS_AND_CAPACITY`): a buffer renamed or added with a capacity dimension and
+    not named there would bring back a recompile per join and leave, silently."""
+    import re
+
+    import structkv
+    from structkv.runtime import decoding
+
+    model = structkv.load(str(tiny_dir("llama")))
+    cache = structkv.models.StaticKVCache(model.config, 2, 64, model.dtype, model.device, kv_dtype)
+    cache.layers[0].keep_queries(32, 4)  # the KV bound's query ring and carried centrality, when on
+    cache.layers[0].carry_centrality(64)
+    patterns = decoding.ROWS_AND_CAPACITY.split(",")
+
+    def dynamic(source):
+        return any(re.fullmatch(p, source) for p in patterns)
+
+    for i, layer in enumerate(cache.layers):
+        for name, buf in layer.named_buffers():
+            source = f"L['cache']._modules['layers']._modules['{i}']._buffers['{name}']"
+            if buf.dim() >= 1 and buf.shape[0] == 2:
+                assert dynamic(f"{source}:0"), name
+            if buf.dim() >= 3 and buf.shape[2] == 64:
+                assert dynamic(f"{source}:2"), name
