@@ -110,7 +110,12 @@ async def _answer(engine: Engine, request: HTTPRequest, kind: str, endpoint: str
         engine.metrics.observe("request_seconds", time.perf_counter() - t0)
         return JSONResponse(response(req, payload["text"], payload["finish_reason"], payload["usage"],
                                      payload["stats"]))
-    error = payload if kind_ == "error" else APIError(499, "the client went away", code="cancelled")
+    if kind_ == "error":
+        error = payload
+    elif job.cancelled.is_set():  # its client left
+        error = APIError(499, "the client went away", code="cancelled")
+    else:  # the engine closed under it (shutdown), before this handler's own cancellation
+        error = _shutdown()
     engine.metrics.request(endpoint, error.status)
     return _error(error)
 
