@@ -138,13 +138,20 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
-def _merge_stats(m, l, e, entropy: bool):
-    """(B, Hq, splits, W) partial max / sum of exp / sum of exp * logit -> logsumexp (+inf where no
-    key is visible) and entropy (B, Hq, W)."""
+def _split_weights(m, l):
+    """Partials over dim 2 (the key splits) of an online softmax: their running max `m` and sum of
+    exp `l` -> (the overall max, 0 where every split is empty; each split's weight exp(m - max),
+    0 for an empty one; the overall sum of exp), max and sum with dim 2 reduced."""
     top = m.amax(2)
     top_safe = torch.where(torch.isinf(top), torch.zeros_like(top), top)
     weight = torch.exp(m - top_safe.unsqueeze(2))  # -inf partials weigh 0
-    total = (l * weight).sum(2)
+    return top_safe, weight, (l * weight).sum(2)
+
+
+def _merge_stats(m, l, e, entropy: bool):
+    """(B, Hq, splits, W) partial max / sum of exp / sum of exp * logit -> logsumexp (+inf where no
+    key is visible) and entropy (B, Hq, W)."""
+    top_safe, weight, total = _split_weights(m, l)
     seen = total > 0
     lse = torch.where(seen, top_safe + torch.log(torch.where(seen, total, torch.ones_like(total))),
                       torch.full_like(total, float("inf")))
@@ -328,8 +335,7 @@ def quantized_decode_attention_triton(q, k, v, mask, scale: float, kv_dtype: str
             q.stride(0), q.stride(1), q.stride(3), *k[0].stride(), *k[1].stride(), *k_min.stride(),
             *v[0].stride(), *v[1].stride(), *v_min.stride(), mask.stride(0), smh, mask.stride(3),
             GROUP=Hq // Hkv, GROUP_D=D // k[1].shape[-1], **blocks)
-    top = m.amax(2, keepdim=True)
-    weight = torch.exp(m - torch.where(torch.isinf(top), torch.zeros_like(top), top))  # (B, Hq, splits)
-    total = (l * weight).sum(2, keepdim=True)
+    _, weight, total = _split_weights(m, l)  # (B, Hq, splits), (B, Hq)
+    total = total.unsqueeze(-1)
     out = (acc * weight.unsqueeze(-1)).sum(2) / torch.where(total > 0, total, torch.ones_like(total))
     return out[..., :D].unsqueeze(2).to(q.dtype)  # (B, Hq, 1, D); int8 leaves the upper half unused
