@@ -61,7 +61,7 @@ def bad_requests(model: str) -> list[tuple[str, str, dict | str]]:
         ("nested 10000 deep", done, "[" * 10000 + "]" * 10000),
         ("lone surrogate", done, '{"model": "%s", "prompt": "\\ud800"}' % model),
         ("stream not a bool", done, {**base, "stream": "yes"}),
-        ("stop 1000 strings", done, {**base, "stop": ["x"] * 1000}),
+        ("1000 stop strings", done, {**base, "stop": ["x"] * 1000}),
         ("empty context", done, {**base, "context": "  "}),
         ("unknown path", "/v1/nothing", {}),
     ]
@@ -228,23 +228,6 @@ def _serve(model: str, port: int, folder: Path, log: Path) -> subprocess.Popen:
                                  "--max-connections", "16", "--threads", "2"], stdout=f, stderr=subprocess.STDOUT)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_up(url: str, proc, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    raise RuntimeError("the server did not come up")
-
-
 def table(r: dict) -> str:
     rows = [
         ("bad requests answered 5xx", "0", f"{len(r['bad']['5xx'])} of {r['bad']['requests']}"),
@@ -269,11 +252,13 @@ def main() -> None:
     p.add_argument("--leavers", type=int, default=50)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    port, folder = _free_port(), Path(tempfile.mkdtemp(prefix="structkv_faults_"))
+    from serve_probe import free_port, wait_up  # its neighbour in benchmarks/ (the script's own folder)
+
+    port, folder = free_port(), Path(tempfile.mkdtemp(prefix="structkv_faults_"))
     url, log = f"http://127.0.0.1:{port}", folder.parent / f"{folder.name}.log"
     proc = _serve(args.model, port, folder, log)
     try:
-        _wait_up(url, proc)
+        wait_up(url, timeout=600, proc=proc)
         report = {"model": args.model, "bad": bad_input(url, args.model, {}),
                   "isolation": isolation(url, args.model, {}),
                   "archive": archive_faults(url, args.model, {}, folder),

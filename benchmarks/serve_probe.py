@@ -33,17 +33,25 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def wait_up(url: str, timeout: float = 300) -> None:
+def wait_up(url: str, timeout: float = 300, proc=None) -> None:
+    """Until `url`/health answers; a server process `proc` that exits meanwhile ends the wait."""
     import httpx
 
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and (proc is None or proc.poll() is None):
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             time.sleep(0.5)
     raise RuntimeError("the server did not come up")
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def flood(port: int, n: int, hold_s: float, log: Path) -> dict:
@@ -124,9 +132,7 @@ def main() -> None:
     args = p.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # this client holds the sockets: raise its own
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, args.sockets + 256)), hard))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = Path(f"/tmp/structkv_probe_{port}.log")
 
     def limit():
