@@ -90,7 +90,7 @@ def protocol(head_timeout_s: float, hard_limit: int, per_client: int | None = No
             return max(by_host.values(), key=len, default=[])
 
         def _oldest_waiting(self, among=None):
-            others = [c for c in (among or self.connections)
+            others = [c for c in (self.connections if among is None else among)
                       if c is not self and hasattr(c, "_made_at") and c._waiting()]
             return min(others, key=lambda c: c._made_at, default=None)
 
