@@ -37,6 +37,7 @@ class CpuOnlyOp(RuntimeError):
 class Counts:
     host_reads: list = field(default_factory=list)  # (op name) of every device -> host read
     to_device: int = 0  # host -> device copies
+    stream_waits: int = 0  # one stream made to wait for another (`Stream.wait_stream`)
 
     def mark(self):
         return len(self.host_reads)
@@ -275,13 +276,50 @@ class _H100:
     name, multi_processor_count, total_memory, major, minor = "H100 (traced)", 132, 80 << 30, 9, 0
 
 
+class _Stream:
+    """A CUDA stream as the trace sees it: work is in order on the host, so waits are no-ops; a
+    synchronize is a host read."""
+
+    def __init__(self, device=None, priority=0):
+        self.device = torch.device(device or CUDA)
+
+    def wait_stream(self, other) -> None:
+        if not isinstance(other, _Stream):
+            raise DeviceMismatch(f"wait_stream on {type(other).__name__}")
+        if _COUNTS:
+            _COUNTS[-1].stream_waits += 1
+
+    def synchronize(self) -> None:
+        _count_read("Stream.synchronize")
+
+
 def _runtime_stand_ins(counts: Counts) -> dict:
     """`torch.cuda` functions the code may call, answering as one H100 would; a synchronize is a
-    host read."""
+    host read. Streams are `_Stream`s and `torch.cuda.stream(s)` selects nothing."""
     return {"is_available": lambda: True, "is_initialized": lambda: True, "device_count": lambda: 1,
             "current_device": lambda: 0, "get_device_properties": lambda *a: _H100(),
             "get_device_name": lambda *a: _H100.name,
-            "synchronize": lambda *a: _count_read("torch.cuda.synchronize")}
+            "synchronize": lambda *a: _count_read("torch.cuda.synchronize"),
+            "Stream": _Stream, "current_stream": lambda *a: _Stream(), "stream": _select_stream}
+
+
+def _select_stream(stream):
+    if not isinstance(stream, _Stream):
+        raise DeviceMismatch(f"torch.cuda.stream({type(stream).__name__})")
+    return contextlib.nullcontext()
+
+
+def _record_stream(self, stream) -> None:
+    """`Tensor.record_stream`, which parses its stream before any mode sees it: a CUDA tensor's only."""
+    if not isinstance(self, OnCuda) or not isinstance(stream, _Stream):
+        raise DeviceMismatch(f"record_stream on a {self.device} tensor with {type(stream).__name__}")
+
+
+def _pin_memory(self, *args, **kwargs):
+    """`Tensor.pin_memory` on a CPU-only torch: host memory as it is (a CUDA tensor cannot be pinned)."""
+    if self.device.type != "cpu":
+        raise DeviceMismatch(f"pin_memory of a {self.device} tensor")
+    return self
 
 
 @contextlib.contextmanager
@@ -291,14 +329,22 @@ def cuda_trace():
     counts = Counts()
     _COUNTS.append(counts)
     saved = {name: getattr(torch.cuda, name) for name in _runtime_stand_ins(counts)}
+    # patched on the class: worker threads pin too (modes are per thread); record_stream's binding
+    # parses its stream argument before any mode sees the call
+    methods = {"pin_memory": _pin_memory, "record_stream": _record_stream}
+    saved_methods = {name: getattr(torch.Tensor, name) for name in methods}
     try:
         for name, fn in _runtime_stand_ins(counts).items():
             setattr(torch.cuda, name, fn)
+        for name, fn in methods.items():
+            setattr(torch.Tensor, name, fn)
         with _Factories(), _Methods():
             yield counts
     finally:
         for name, fn in saved.items():
             setattr(torch.cuda, name, fn)
+        for name, fn in saved_methods.items():
+            setattr(torch.Tensor, name, fn)
         _COUNTS.pop()
 
 

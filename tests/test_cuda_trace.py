@@ -149,7 +149,9 @@ def test_prefill_reads_within_budget(tiny_dir, arch, name, options):
 @pytest.mark.parametrize("on_disk", [False, True])
 def test_recall_from_archives_on_cuda(tiny_dir, tmp_path, arch, on_disk):
     """A context compressed once with an int4 archive (in memory, or a file written from host
-    copies), then a question that recalls from it: the tiles go to the queries' device."""
+    copies), then a question that recalls from it: each archived layer goes to the queries'
+    device on a side stream (pinned host memory for a file's), and the question's stream waits
+    for each copy, for every question (the first, and each one a step reads)."""
     method = methods.get("structkv_agnostic_union", kv_budget=0.2)
 
     def ask(device, folder):
@@ -160,9 +162,11 @@ def test_recall_from_archives_on_cuda(tiny_dir, tmp_path, arch, on_disk):
                                  stop_at_eos=False).token_ids
 
     want = ask("cpu", tmp_path / "cpu" if on_disk else None)
-    with cuda_trace():
+    with cuda_trace() as counts:
         got = ask("cuda", tmp_path / "cuda" if on_disk else None)
     assert got == want
+    archived = len(_load(tiny_dir, arch, "cpu").config.full_attention_layers)
+    assert counts.stream_waits >= archived, counts.stream_waits
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -351,3 +351,73 @@ def test_an_archive_layer_goes_to_the_questions_device(model, tmp_path):
     moved = layer.to("meta")
     assert all(p.device.type == "meta" for p in moved.planes) and moved.pos.device.type == "meta"
     assert moved.tile(0, min(32, moved.size), "k").device.type == "meta"
+
+
+def test_a_question_reads_archived_layers_off_its_own_thread(model, tmp_path, monkeypatch):
+    """A file's layers are read and checked on a worker thread (one layer ahead: the next test),
+    never in the question's own thread, and the answer is the in-memory archive's."""
+    import threading
+
+    from structkv.models.archive import ArchiveLayer
+
+    ids, question = _ids(100, 13), [4, 5, 6]
+    state = structkv.prefill(model, ids, methods.get("keydiff", kv_budget=12), archive="int4", recall=20,
+                             archive_dir=tmp_path)
+    memory = structkv.prefill(model, ids, methods.get("keydiff", kv_budget=12), archive="int4", recall=20)
+    readers, opened = [], ArchiveLayer.opened
+
+    def logged(self):
+        readers.append(threading.current_thread().name)
+        return opened(self)
+
+    monkeypatch.setattr(ArchiveLayer, "opened", logged)
+    a = structkv.generate(model, question, state=state, max_new_tokens=4, compile=False)
+    b = structkv.generate(model, question, state=memory, max_new_tokens=4, compile=False)
+    assert a.token_ids == b.token_ids
+    assert len(readers) == 2 * len(state.archive.layers)  # both states, every archived layer once
+    assert all(name.startswith("structkv-archive") for name in readers), readers
+
+
+class _SlowLayer:
+    """An archived layer whose read waits for its test to let it finish."""
+
+    def __init__(self, i, log):
+        self.i, self.log, self.go = i, log, __import__("threading").Event()
+
+    def opened(self):
+        self.log.append(("read", self.i))
+        assert self.go.wait(10)
+        return self
+
+    def to(self, device):
+        return self
+
+
+def test_archive_fetch_reads_one_layer_ahead_and_no_further():
+    """Taking layer i starts layer i+1's read and only that one: the question's compute of layer
+    i overlaps the next read, and at most two layers' entries are held at once."""
+    from structkv.modules.archive_fetch import ArchiveFetch
+
+    log = []
+    layers = {i: _SlowLayer(i, log) for i in (0, 2, 5)}  # archived layers need not be adjacent
+    with ArchiveFetch(layers, "cpu") as fetch:
+        assert list(fetch.pending) == [0]  # the first read starts before the question needs it
+        layers[0].go.set()
+        assert fetch.take(0) is layers[0]
+        assert list(fetch.pending) == [2]  # the next archived layer, read while layer 0 computes
+        layers[2].go.set()
+        assert fetch.take(2) is layers[2] and list(fetch.pending) == [5]
+        layers[5].go.set()
+        assert fetch.take(5) is layers[5] and not fetch.pending
+    assert log == [("read", 0), ("read", 2), ("read", 5)]
+
+
+def test_archive_fetch_raises_a_changed_file_in_the_questions_thread():
+    from structkv.modules.archive_fetch import ArchiveFetch
+
+    class Changed:
+        def opened(self):
+            raise ArchiveError("archive file x is corrupt or was changed")
+
+    with ArchiveFetch({0: Changed()}, "cpu") as fetch, pytest.raises(ArchiveError, match="changed"):
+        fetch.take(0)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from .archive_fetch import ArchiveFetch
 from .budget import Budget
 from .selection import pool_scores, select_tokens
 
@@ -48,16 +49,20 @@ class RecallLayer:
 
     sliding_window = None  # archived layers are full-attention layers
 
-    def __init__(self, answer, archive, keep: list[int], stats: dict, tile: int = TILE, kernel: int = KERNEL):
+    def __init__(self, answer, archive, keep: list[int], stats: dict, tile: int = TILE, kernel: int = KERNEL,
+                 fetch=None):
         self.answer, self.archive, self.keep, self.stats, self.tile = answer, archive, keep, stats, tile
         self.kernel = kernel
+        # fetch(device) -> this layer's archive opened on the question's device (`ArchiveFetch.take`:
+        # read one layer ahead); None: read here, when asked
+        self.fetch = fetch or (lambda device: archive.opened().to(device))
         self.chosen = None  # (B, Hkv, K) the context positions chosen for the answer, once asked
 
     def attention(self, attn, q, k, v, positions):
         """The `LayerKVCache.attention` call of several (or one) question tokens: (B, S, E). An
         archive in a file is read (and checked) here, for this layer of this question only."""
         B, Hq, S, D = q.shape
-        source, self.archive = self.archive, self.archive.opened().to(q.device)
+        source, self.archive = self.archive, self.fetch(q.device)
         try:
             apos = self.archive.positions()  # (B, Hkv, A)
             out, hot_p, arch_p = self._attend(q, k, v, positions, apos, attn.scale)  # (B, Hq, S, D), probabilities
@@ -179,12 +184,14 @@ def recall_extend(model, state, tokens: torch.Tensor, positions: torch.Tensor, r
     keep = recall_counts(recall, state.lengths)
     stats = {"recalled": 0, "recalled_bytes": 0, "chosen": 0, "archive_bytes_read": 0, "kernel": kernel}
     answers, seen = [], []
-    for i, layer in enumerate(state.cache.layers):
-        archived = state.archive.layers.get(i)
-        answer = layer.grown(max(keep) if archived is not None else 0)
-        answers.append(answer)
-        seen.append(RecallLayer(answer, archived, keep, stats, tile, kernel) if archived is not None else answer)
-    logits = model.extend(tokens, positions, _Layers(seen))
+    with ArchiveFetch(state.archive.layers, tokens.device) as fetch:
+        for i, layer in enumerate(state.cache.layers):
+            archived = state.archive.layers.get(i)
+            answer = layer.grown(max(keep) if archived is not None else 0)
+            answers.append(answer)
+            seen.append(answer if archived is None else
+                        RecallLayer(answer, archived, keep, stats, tile, kernel, lambda _, i=i: fetch.take(i)))
+        logits = model.extend(tokens, positions, _Layers(seen))
     stats["chosen_positions"] = {i: layer.chosen for i, layer in enumerate(seen) if isinstance(layer, RecallLayer)}
     cache = KVCache()
     cache.layers = torch.nn.ModuleList(answers)
