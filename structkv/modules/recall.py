@@ -117,7 +117,7 @@ class RecallLayer:
         """The dtype of the archive's products: float32 for a float archive (recall then equals
         query-aware SnapKV exactly), bfloat16 for a quantized one, whose codes carry less than
         bfloat16's precision already: products with float32 accumulation, 4x float32's rate on a
-        CPU with AVX512-BF16 (`benchmarks/bf16_products.py`, 1 thread: 100 vs 382-407 GFLOP/s),
+        CPU with AVX512-BF16 (`research/experiments/bf16_products.py`, 1 thread: 100 vs 382-407 GFLOP/s),
         softmax and output sums in float32."""
         return torch.float32 if self.archive.kind == "float" else torch.bfloat16
 

@@ -119,7 +119,7 @@ def quantize_int4_channels(x: torch.Tensor, block: int = CHANNEL_BLOCK) -> tuple
     (KIVI, Liu et al. 2024); per-entry groups spend their 16 levels spanning those channels and
     round the small ones to nothing, which is what moves a question's attention. Per channel over
     a block, every channel gets its own range: on Gemma 3 270M the question's attention KL at
-    layer 5 drops from 0.18 to 0.012 nats for the same bytes (`benchmarks/archive_fidelity.py`).
+    layer 5 drops from 0.18 to 0.012 nats for the same bytes (`research/experiments/archive_fidelity.py`).
     A last partial block is padded with copies of its last entry (stored tables only)."""
     A = x.shape[0]
     blocks = -(-A // block)

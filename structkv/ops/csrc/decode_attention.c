@@ -10,7 +10,7 @@
  * Entries are float32, bfloat16, int8 (one bfloat16 scale per row) or int4 (two codes per byte,
  * dimension j low and j + D/2 high; per group of dimensions a bfloat16 scale and a float32
  * minimum), the layouts of structkv.ops.kv_quant. Plain C, no PyTorch headers: the library
- * compiles it inside the C++ op of decode_attention_op.cpp; benchmarks/attention_kernel_ab.py builds
+ * compiles it inside the C++ op of decode_attention_op.cpp; research/experiments/attention_kernel_ab.py builds
  * it alone as C to time two revisions. OpenMP from the process's own runtime (PyTorch's libgomp).
  */
 #include <math.h>
@@ -356,7 +356,7 @@ static Plane plane(const int64_t *a) {
     return p;
 }
 
-/* The C entry point of a standalone build (benchmarks/attention_kernel_ab.py calls it through
+/* The C entry point of a standalone build (research/experiments/attention_kernel_ab.py calls it through
  * ctypes; the library's op calls decode_attention directly), its integers and pointers in one
  * array: kind, q, out, work, mask, mask_sb, mask_sh, mask_heads,
  * B, Hkv, G, T, D, groups, max_splits, threads, then k's and v's planes, 12 each: codes, scale,

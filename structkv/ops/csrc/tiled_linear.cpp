@@ -127,7 +127,7 @@ Rows quantize(const at::Tensor &x) {
   thread_local std::vector<int32_t> totals;
   // x as it comes when it is float32 already, and the outputs from empty_cpu: neither goes through the
   // dispatcher, ~0.3 us of a product's ~2.3 us fixed cost (a warm pass over SmolLM2's int4
-  // projections 3.16 -> 3.06 ms, none measurable after a flush; benchmarks/tiled_variants.py, stop 67).
+  // projections 3.16 -> 3.06 ms, none measurable after a flush; research/experiments/tiled_variants.py, stop 67).
   const at::Tensor xf = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1), G = K / kGroup;
   codes.resize(M * K);
@@ -146,7 +146,7 @@ Rows quantize(const at::Tensor &x) {
 // The int4 kernels ask for the next tile's line at the same offset (one tile = K/8 x 64 bytes ahead:
 // 4.6-12 KB at K 576-1536) while they work on this one. Why: a decode step runs ~120 short products
 // back to back, each a fresh stream the hardware prefetcher ramps up on again, and an int4 line takes
-// twice int8's arithmetic, so fewer of its loads are in flight. Measured (benchmarks/tiled_variants.py,
+// twice int8's arithmetic, so fewer of its loads are in flight. Measured (research/experiments/tiled_variants.py,
 // SmolLM2's shapes, weights on huge pages, builds alternated): a pass 2.85 -> 2.52 ms on 2 threads,
 // 4.45 -> 3.52 ms on one; the AVX2 build 3.12 -> 2.52 ms. Not in the int8 kernels: there it cost 10 %
 // (a one-off harness of the same kind).
