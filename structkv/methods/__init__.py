@@ -8,7 +8,7 @@ Budgets are a ratio in (0, 1] of each row's prompt length or an absolute token c
 defaults (TSP / filter layer) are fractions of the model's depth so they carry across models.
 """
 from ..modules.budget import Budget
-from .base import Full, Layout, Method
+from .base import Full, Layout, Method, restarts
 from .fastkv import FastKV
 from .gemfilter import GemFilter
 from .h2o import H2O
@@ -33,5 +33,6 @@ from .structkv import StructKV
 
 __all__ = ["Budget", "CONTEXT_ARCHIVE", "CONTEXT_DEFAULTS", "Layout", "METHODS", "FastKV", "Full", "GemFilter", "H2O",
            "KVzip", "KeyDiff", "Method", "PyramidKV", "SnapKV", "StreamingLLM", "StructKV", "build", "context_archive",
-           "context_default", "get", "has_struct_budget", "model_kind", "names", "register"]
+           "context_default", "get", "has_struct_budget", "model_kind", "names", "register",
+           "restarts"]
 

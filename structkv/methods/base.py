@@ -74,9 +74,10 @@ class Method:
     # Whether the method has the structural budget R_struct (`struct_budget`: tokens that go on
     # past its propagation layer), for the harnesses that speak in R_KV / R_struct.
     has_struct_budget: ClassVar[bool] = False
-    # Whether its propagation re-encodes the tokens it keeps (GemFilter): the final cache then holds
-    # nothing it evicted, so it has no archive for ask-time recall.
-    restarts: ClassVar[bool] = False
+    # The class of the propagation `propagation` returns, where it restarts the prefill (GemFilter):
+    # `restarts(method)` reads the propagation's own `restart` flag through it, the one place that
+    # fact is stated. None: a propagation that goes on, or none.
+    propagation_kind: ClassVar[type | None] = None
 
     def validate(self) -> None:
         for name in BUDGETS:
@@ -160,3 +161,10 @@ class Full(Method):
     """No compression: the reference every method is measured against."""
 
     name = "full"
+
+
+def restarts(method) -> bool:
+    """Whether a method (or its class) re-encodes the tokens it keeps (GemFilter): its final cache
+    then holds nothing it evicted, so it has no archive for ask-time recall."""
+    kind = method.propagation_kind
+    return kind is not None and kind.restart

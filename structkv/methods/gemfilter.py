@@ -15,26 +15,6 @@ from ..modules import Propagation, budget_tokens
 from .base import Method, resolve_layer
 
 
-@dataclass
-class GemFilter(Method):
-    """Run layers 0..r, pick tokens by the last query's raw q.k at layer r (avg-pooled, shared by
-    heads), then re-run the whole model on the selected tokens with positions renumbered."""
-
-    kv_budget: float | int = 0.1
-    filter_layer: float | int = 13 / 32
-    kernel: int = 5
-    window: int = 0  # the official code forces nothing in
-    name = "gemfilter"  # scores with its own raw last-query q.k, not window_scores
-    restarts: ClassVar[bool] = True
-
-    def prefill_key(self):
-        return ("gemfilter", id(self))  # its re-run depends on kv_budget: never shared
-
-    def propagation(self, layout, lengths):
-        layer = resolve_layer(self.filter_layer, layout, layout.full_attention_layers, "filter_layer")
-        return RestartPropagation(layer, budget_tokens(self.kv_budget, lengths, "gemfilter kv_budget"), self.kernel)
-
-
 class RestartPropagation(Propagation):
     """At `layer`, keep per row `keep[b]` tokens by the last query's raw logits (avg-pooled, shared
     by heads); the kept tokens are re-encoded by the whole model with positions 0..K-1 (GemFilter)."""
@@ -58,3 +38,23 @@ class RestartPropagation(Propagation):
         columns, positions = self.pruner.gather(kept, view.columns, positions=view.positions)  # (B, K) each
         ids = torch.where(kept >= 0, tokens.gather(1, columns), torch.zeros_like(columns))
         return ids, positions, torch.where(kept >= 0, columns, torch.full_like(kept, -1))
+
+
+@dataclass
+class GemFilter(Method):
+    """Run layers 0..r, pick tokens by the last query's raw q.k at layer r (avg-pooled, shared by
+    heads), then re-run the whole model on the selected tokens with positions renumbered."""
+
+    kv_budget: float | int = 0.1
+    filter_layer: float | int = 13 / 32
+    kernel: int = 5
+    window: int = 0  # the official code forces nothing in
+    name = "gemfilter"  # scores with its own raw last-query q.k, not window_scores
+    propagation_kind: ClassVar[type] = RestartPropagation
+
+    def prefill_key(self):
+        return ("gemfilter", id(self))  # its re-run depends on kv_budget: never shared
+
+    def propagation(self, layout, lengths):
+        layer = resolve_layer(self.filter_layer, layout, layout.full_attention_layers, "filter_layer")
+        return RestartPropagation(layer, budget_tokens(self.kv_budget, lengths, "gemfilter kv_budget"), self.kernel)

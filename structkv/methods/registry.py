@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..modules.budget import Budget
-from .base import Full, Method
+from .base import Full, Method, restarts
 from .expected_attention import ExpectedAttention
 from .fastkv import FastKV
 from .gemfilter import GemFilter
@@ -108,7 +108,7 @@ def context_archive(method: Method, archive: str | None = None) -> str | None:
     or restarts its prefill (GemFilter: its archive would not be the context the answer reads)."""
     if archive is not None:
         return None if archive == "none" else archive
-    return None if method.name == "full" or method.restarts else CONTEXT_ARCHIVE
+    return None if method.name == "full" or restarts(method) else CONTEXT_ARCHIVE
 
 
 def model_kind(config) -> str:

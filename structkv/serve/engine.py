@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..methods import Budget, build, context_archive, context_default, has_struct_budget, names
+from ..methods import Budget, build, context_archive, context_default, has_struct_budget, names, restarts
 from ..models.archive import ArchiveError, check_kind
 from ..models.sliced import ROWS, sliced_block
 from ..modules.decode_bound import DecodeBound
@@ -470,7 +470,7 @@ class Engine:
     def _archive(self, job: Job) -> str | None:
         """The archive kind of the job's cached context: the server's (default int4), none for a
         method with nothing to archive (`full`, or GemFilter when a request names it)."""
-        return None if job.method.restarts else context_archive(job.method, self.settings.archive)
+        return None if restarts(job.method) else context_archive(job.method, self.settings.archive)
 
     def _stored(self, key, job: Job, need: int):
         """The context's state from its file (a restart, or one dropped from RAM), or None; a file

@@ -155,7 +155,7 @@ def method_runs(cfg: EvalConfig, configs: dict | None = None) -> list[tuple[str,
             runs.append(("full", "full", None))
         else:
             runs += [(f"{name}@{Budget(b)}", name, b) for b in cfg.kv_budgets]
-            if not methods_registry.METHODS[name].cls.restarts:  # GemFilter re-encodes what it keeps: no archive
+            if not methods_registry.restarts(methods_registry.METHODS[name].cls):  # GemFilter: no archive
                 # labels spell budgets as they parse back ("+recall1.0": every entry, "+recall1": one)
                 runs += [(f"{name}@{Budget(b)}+recall{Budget(r)}", name, b) for b in cfg.kv_budgets for r in cfg.recall]
     return runs
@@ -507,7 +507,7 @@ def _compress_all(model, input_ids: list[int], methods: list, room: int, compile
 
     tokens, positions, _ = encode_batch(model, [input_ids])
     recalls = recalls or [None] * len(methods)
-    kinds = [archive if r is not None and not m.restarts else None for m, r in zip(methods, recalls)]
+    kinds = [archive if r is not None and not methods_registry.restarts(m) else None for m, r in zip(methods, recalls)]
     states = compress_shared(model, tokens, positions, methods, room=room, compile=compile, archive=kinds)
     for state, recall in zip(states, recalls):
         state.recall = recall if state.archive is not None else None
