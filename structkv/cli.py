@@ -96,7 +96,8 @@ def _generate(args) -> int:
     if args.archive_dir:
         _writable_folder(args.archive_dir, "--archive-dir")
     name = args.method or (None if args.question else "full")  # -q: the model's context default, once loaded
-    method = methods.build(name or "keydiff", kv=args.kv_budget, struct=args.struct_budget)  # bad budgets fail first
+    methods.check_budgets(args.kv_budget, args.struct_budget)  # bad budgets fail before the model loads
+    method = methods.build(name, kv=args.kv_budget, struct=args.struct_budget) if name else None
     model = structkv.load(args.model, dtype=args.dtype, tp=args.tp, weights=args.weights, kv_dtype=args.kv_dtype)
     if name is None:  # compressed before the questions: the default of this kind of model, at its budget
         name, kv = methods.context_default(model.config)

@@ -124,7 +124,7 @@ class PeakMemory:
 
 def make_method(cfg: BenchConfig, name: str):
     pivot = {}
-    if cfg.pivot is not None and name.startswith("structkv"):
+    if cfg.pivot is not None and methods_registry.takes(name, "pivot"):
         pivot = {"pivot": "dynamic" if cfg.pivot == "dynamic" else float(cfg.pivot)}
     return methods_registry.build(name, kv=cfg.kv_budget, struct=cfg.struct_budget, **pivot)
 

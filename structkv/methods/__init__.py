@@ -19,6 +19,7 @@ from .registry import (
                        CONTEXT_DEFAULTS,
                        METHODS,
                        build,
+                       check_budgets,
                        context_archive,
                        context_default,
                        get,
@@ -26,6 +27,7 @@ from .registry import (
                        model_kind,
                        names,
                        register,
+                       takes,
 )
 from .snapkv import PyramidKV, SnapKV
 from .streaming_llm import StreamingLLM
@@ -34,5 +36,5 @@ from .structkv import StructKV
 __all__ = ["Budget", "CONTEXT_ARCHIVE", "CONTEXT_DEFAULTS", "Layout", "METHODS", "FastKV", "Full", "GemFilter", "H2O",
            "KVzip", "KeyDiff", "Method", "PyramidKV", "SnapKV", "StreamingLLM", "StructKV", "build", "context_archive",
            "context_default", "get", "has_struct_budget", "model_kind", "names", "register",
-           "restarts"]
+           "restarts", "check_budgets", "takes"]
 

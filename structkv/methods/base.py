@@ -78,6 +78,8 @@ class Method:
     # `restarts(method)` reads the propagation's own `restart` flag through it, the one place that
     # fact is stated. None: a propagation that goes on, or none.
     propagation_kind: ClassVar[type | None] = None
+    # Fields a run-wide setting (an eval's --window) never overrides: the method fixes them itself.
+    fixed_options: ClassVar[tuple[str, ...]] = ()
 
     def validate(self) -> None:
         for name in BUDGETS:

@@ -49,6 +49,7 @@ class GemFilter(Method):
     filter_layer: float | int = 13 / 32
     kernel: int = 5
     window: int = 0  # the official code forces nothing in
+    fixed_options: ClassVar[tuple[str, ...]] = ("window",)  # a run's --window does not apply
     name = "gemfilter"  # scores with its own raw last-query q.k, not window_scores
     propagation_kind: ClassVar[type] = RestartPropagation
 

@@ -166,6 +166,25 @@ def build(name: str, kv=None, struct=None, **options) -> Method:
     return get(name, **options)
 
 
+def check_budgets(kv=None, struct=None) -> None:
+    """R_KV and R_struct as every method parses them: a bad budget fails before a model loads,
+    whichever method the context is later compressed with."""
+    for value, what in ((kv, "kv_budget"), (struct, "struct_budget")):
+        if value is not None:
+            Budget.parse(value, what)
+
+
+def takes(method, option: str) -> bool:
+    """Whether a method (a registry name, a `Method` or its class) takes `option` from a setting
+    shared by a whole run (an eval's `--window`, a bench's `--pivot`, `calibrate`'s pivot): one of
+    its fields that it does not fix itself."""
+    cls = _entry(method).cls if isinstance(method, str) else method if isinstance(method, type) else type(method)
+    if not dataclasses.is_dataclass(cls):
+        return False
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return option in fields and option not in cls.fixed_options
+
+
 def has_struct_budget(name: str) -> bool:
     """Whether this registry name has its own structural budget R_struct (StructKV, FastKV)."""
     return _entry(name).has_struct_budget

@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from ..methods import Full, StructKV
+from ..methods import Full, Method, StructKV, takes
 from ..modules.pivot import PivotDetector, PivotTrace, calibrate_pivot
 from ..text.prompts import encode_batch
 from ..util.timing import NO_TIMER
@@ -23,7 +23,7 @@ from .compress import check_scorable, compress_shared
 def calibrate(model, prompts: list, method: StructKV | None = None) -> tuple[StructKV, list[PivotTrace]]:
     """(the method with `pivot` fixed to the calibrated layer, one trace per prompt)."""
     method = method or StructKV()
-    if not isinstance(method, StructKV):
+    if not isinstance(method, Method) or not takes(method, "pivot"):
         raise TypeError(f"calibrate sets StructKV's pivot; got {type(method).__name__}")
     if not prompts:
         raise ValueError("calibrate needs at least one prompt (text or token ids)")

@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..methods import Budget, build, context_archive, context_default, has_struct_budget, names, restarts
+from ..methods import Budget, build, check_budgets, context_archive, context_default, has_struct_budget, names, restarts
 from ..models.archive import ArchiveError, check_kind
 from ..models.sliced import ROWS, sliced_block
 from ..modules.decode_bound import DecodeBound
@@ -112,8 +112,9 @@ class Settings:
             raise ValueError("--recall and --archive-dir need an archive: drop them, or name --archive int4")
         if self.recall is not None:
             self.recall = Budget.parse(self.recall, "recall").value
-        for name in (self.method, self.context_method or "keydiff"):
-            build(name, kv=self.kv_budget, struct=self.struct_budget)  # a bad default fails at start-up
+        check_budgets(self.kv_budget, self.struct_budget)  # a bad default fails at start-up
+        for name in filter(None, (self.method, self.context_method)):
+            build(name, kv=self.kv_budget, struct=self.struct_budget)
         if self.max_kv_tokens is not None:
             DecodeBound(self.max_kv_tokens, self.decode_evict)  # a bad bound fails at start-up
         if isinstance(self.prefill_rows, bool) or not isinstance(self.prefill_rows, int) or self.prefill_rows < 0:

@@ -169,7 +169,7 @@ def recall_of(label: str):
 
 
 def make_method(cfg: EvalConfig, name: str, kv_budget: float | None):
-    window = {"window": cfg.window} if cfg.window is not None and name not in ("full", "gemfilter") else {}
+    window = {"window": cfg.window} if cfg.window is not None and methods_registry.takes(name, "window") else {}
     return methods_registry.build(name, kv=kv_budget, struct=cfg.struct_budget, **window)
 
 
