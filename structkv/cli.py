@@ -10,7 +10,7 @@ from pathlib import Path
 
 from structkv.util.fetch import cache_root
 
-# `structkv.modules.decode_bound.RULES`, named here so `--help` does not import torch (a test checks they agree)
+# `structkv.modules.decode_rules.RULES`, named here so `--help` does not import torch (a test checks they agree)
 DECODE_RULES = ("window", "redundancy", "recent", "centrality")
 # `structkv.models.archive.KINDS`, named here for the same reason
 ARCHIVE_KINDS = ("int4", "int4_token", "int8", "bf16", "float")

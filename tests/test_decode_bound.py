@@ -188,9 +188,36 @@ def test_bad_bounds_are_refused(models, bad):
 
 def test_the_cli_offers_every_rule():
     from structkv.cli import DECODE_RULES
-    from structkv.modules import decode_bound
+    from structkv.modules import decode_rules
 
-    assert DECODE_RULES == decode_bound.RULES == tuple(RULES)
+    assert DECODE_RULES == tuple(decode_rules.RULES) == tuple(RULES)
+
+
+def test_a_rule_of_your_own_is_one_registered_class(models, monkeypatch):
+    """A new decode rule is a `DecodeRule` subclass registered by name: the bound then accepts
+    the name, keeps queries or not as the rule asks, and ranks entries by its scores."""
+    from structkv.modules import decode_rules
+
+    calls = []
+
+    class Oldest(decode_rules.DecodeRule):  # keeps the earliest positions: the opposite of "recent"
+        name, needs_queries = "oldest", False
+
+        def scores(self, layer, index, pos):
+            calls.append(pos.shape)
+            return -pos.float()
+
+    monkeypatch.setitem(decode_rules.RULES, "oldest", Oldest())
+    bound = DecodeBound(24, "oldest", sinks=0, recent=4)
+    for rows in _run(models["llama"], _ids(30), 8, bound, None):
+        for layer in rows.cache.layers:
+            assert int((layer.pos >= 0).sum(-1).max()) <= 24
+            assert not layer.query_slots  # no queries kept for it
+    assert calls
+    kept = set(rows.cache.layers[0].pos[0, 0][rows.cache.layers[0].pos[0, 0] >= 0].tolist())
+    assert set(range(16)) <= kept  # the earliest positions stayed
+    with pytest.raises(TypeError, match="named DecodeRule"):
+        decode_rules.register(object())
 
 
 def test_bad_rules_and_marks_are_refused():

@@ -65,7 +65,7 @@ def _bounded_decode(whole, shard, rows, folder) -> list[str]:
     import structkv
     from structkv import methods
     from structkv.modules import DecodeBound
-    from structkv.modules.decode_bound import RULES
+    from structkv.modules.decode_rules import RULES
 
     bad = []
     for rule in RULES:

@@ -5,7 +5,7 @@ still adds one entry per layer, so a 4K-token answer, a reasoning trace or a lon
 cache without limit. With a bound, a row's layer that is about to pass `max_tokens` evicts down
 to `max_tokens - every` (hysteresis: the eviction runs once every `every` tokens, not at every
 token). The first `sinks` positions and the last `recent` entries always stay; the others are
-ranked by a decode-time rule:
+ranked by a decode-time rule (one class each in `structkv.modules.decode_rules`, registered by name):
 
 - "window": SnapKV on generated tokens. The cache keeps the last 32 decode queries of
   every layer (`LayerKVCache.keep_queries`); an entry's score is the attention those queries gave
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-RULES = ("window", "redundancy", "recent", "centrality")
-NOVELTY_CHUNK = 1024  # keys whose similarities to every other key are held at once
+from .decode_rules import RULES, DecodeRule, query_attention
+
 QUERY_WINDOW = 32  # decode queries each layer keeps for the query-based rules
 CARRY_DECAY = 0.9  # the "centrality" rule's decay per QUERY_WINDOW generated tokens (StructKV's depth decay)
 
@@ -89,6 +89,11 @@ class DecodeBound:
         return self.every if self.every is not None else max(1, min(64, self.max_tokens // 8))
 
     @property
+    def ranker(self) -> DecodeRule:
+        """The registered rule this bound ranks entries by (`structkv.modules.decode_rules`)."""
+        return RULES[self.rule]
+
+    @property
     def low(self) -> int:
         """Entries a layer keeps after an eviction."""
         return self.max_tokens - self.step
@@ -129,9 +134,9 @@ class BoundedDecode:
         self.fed = None  # (B,) the position each row was fed last, read once at the first step
         self.peak = [0] * len(self.counts)  # over decode steps
         self.evictions, self.evict_s = 0, 0.0
-        carrying = [r for r, b in enumerate(self.bounds) if b is not None and b.rule == "centrality"]
+        carrying = [r for r, b in enumerate(self.bounds) if b is not None and b.ranker.carries]
         self.carrying = carrying  # rows whose layers fold their queries into the carried centrality
-        if any(b is not None and b.rule != "recent" for b in self.bounds):
+        if any(b is not None and b.ranker.needs_queries for b in self.bounds):
             for layer in cache.layers:
                 layer.keep_queries(QUERY_WINDOW, layer.pos.shape[1] * group)  # this rank's query heads
                 if carrying:
@@ -145,7 +150,7 @@ class BoundedDecode:
             full = layer.sliding_window is None
             for bound in {self.bounds[r] for r in over}:
                 group = [r for r in over if self.bounds[r] == bound]
-                if bound.rule == "centrality":
+                if bound.ranker.carries:
                     fold(layer, group, self.reduce)
                 _evict(layer, group, bound)
             if over:
@@ -212,7 +217,7 @@ def _evict(layer, rows: list[int], bound: DecodeBound) -> None:
     index = torch.tensor(rows, device=layer.pos.device)
     pos = layer.pos.index_select(0, index)  # (R, Hkv, C)
     valid = pos >= 0
-    score = scores(layer, index, pos, bound.rule).masked_fill(~valid, float("-inf"))
+    score = bound.ranker.scores(layer, index, pos).masked_fill(~valid, float("-inf"))
     score = score.masked_fill(pinned(pos, bound.n_sinks, bound.n_recent), float("inf"))
     keep = score.topk(min(bound.low, pos.shape[-1]), dim=-1).indices  # (R, Hkv, low)
     stay = torch.zeros_like(valid).scatter_(-1, keep, True) & valid
@@ -226,67 +231,6 @@ def pinned(pos: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
     rank = key.argsort(-1).argsort(-1)  # 0 = earliest position
     n = valid.sum(-1, keepdim=True)
     return valid & ((rank < sinks) | (rank >= n - recent))
-
-
-def scores(layer, index: torch.Tensor, pos: torch.Tensor, rule: str) -> torch.Tensor:
-    """(R, Hkv, C) float32: how much each entry of rows `index` is worth keeping under `rule`."""
-    if rule == "recent":
-        return pos.float()
-    if rule == "centrality":
-        carried = layer.carried.index_select(0, index).gather(1, pos.clamp_min(0).flatten(1)).view_as(pos)
-        if bool((carried > 0).any(-1).all()):  # (R, Hkv, C): each entry's position's score
-            return carried
-    k = layer.read(torch.float32)[0].index_select(0, index).float()  # (R, Hkv, C, D)
-    novelty = key_novelty(k, pos)
-    if rule == "centrality":  # some head's table is still empty
-        return novelty
-    attention = window_attention(layer, index, k, pos)
-    if attention is None:
-        return novelty
-    if rule == "window":
-        return attention
-    top = attention.amax(-1, keepdim=True).clamp_min(1e-30)
-    return 0.5 * attention / top + 0.5 * novelty / 2
-
-
-def key_novelty(k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """1 - the largest cosine similarity of each key to a later entry of its head (R, Hkv, C), in
-    [0, 2]; 1 for the latest."""
-    unit = torch.nn.functional.normalize(k, dim=-1)
-    best = []
-    for s in range(0, k.shape[2], NOVELTY_CHUNK):  # (R, Hkv, c, C) similarities at a time, not (C, C)
-        sim = unit[:, :, s:s + NOVELTY_CHUNK] @ unit.transpose(-1, -2)  # (R, Hkv, c, C)
-        p = pos[:, :, s:s + NOVELTY_CHUNK, None]
-        later = (pos[:, :, None, :] > p) & (pos[:, :, None, :] >= 0)  # j after i
-        best.append(sim.masked_fill_(~later, float("-inf")).amax(-1))
-    best = torch.cat(best, -1)  # (R, Hkv, C)
-    return 1 - torch.where(torch.isfinite(best), best, torch.zeros_like(best))
-
-
-def window_attention(layer, index: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
-    """The attention the kept decode queries gave each entry, summed over queries and the query
-    heads of its KV head (R, Hkv, C); None before any query was kept."""
-    if not layer.query_slots:
-        return None
-    q_pos = layer.q_pos.index_select(0, index)  # (R, n)
-    if not bool((q_pos >= 0).any()):
-        return None
-    return query_attention(layer, index, k, pos, q_pos)
-
-
-def query_attention(layer, index: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, q_pos: torch.Tensor):
-    """The attention the kept queries at `q_pos` (R, n; -1: not counted) gave each entry, summed
-    over those queries and the query heads of its KV head (R, Hkv, C)."""
-    q = layer.q_recent.index_select(0, index)  # (R, Hq, n, D), scaled
-    R, Hq, n, D = q.shape
-    Hkv = k.shape[1]
-    logits = q.reshape(R, Hkv, Hq // Hkv, n, D) @ k[:, :, None].transpose(-1, -2)  # (R, Hkv, G, n, C)
-    seen = (pos[:, :, None, None, :] >= 0) & (q_pos[:, None, None, :, None] >= 0) \
-        & (pos[:, :, None, None, :] <= q_pos[:, None, None, :, None])
-    if layer.sliding_window is not None:
-        seen &= pos[:, :, None, None, :] > q_pos[:, None, None, :, None] - layer.sliding_window
-    p = torch.nan_to_num(logits.masked_fill(~seen, float("-inf")).softmax(-1), nan=0.0)
-    return p.sum(dim=(2, 3))  # (R, Hkv, C)
 
 
 def fold(layer, rows: list[int], reduce=None) -> None:
