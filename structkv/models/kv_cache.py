@@ -24,7 +24,7 @@ import copy
 import torch
 from torch import nn
 
-from ..ops import cpu_decode, decode_attention, visible
+from ..ops import cpu_decode
 from ..ops.kv_quant import (
     TABLE_DTYPES,
     TABLES,
@@ -33,9 +33,10 @@ from ..ops.kv_quant import (
     code_width,
     dequantize_kv,
     quantize_kv,
-    quantized_decode_attention,
     table_width,
 )
+from .kv_attention import AttentionDispatch
+from .kv_decode_memory import DecodeMemory
 
 # Cache capacities are rounded up to a multiple of this, so prompts of similar length share one
 # compiled decode graph (the extra slots stay empty, position -1, never attended to).
@@ -46,11 +47,15 @@ def round_capacity(slots: int) -> int:
     return -(-slots // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
 
 
-class LayerKVCache(nn.Module):
+class LayerKVCache(AttentionDispatch, DecodeMemory, nn.Module):
     """One layer's entries: planes k, v (B, Hkv, C, D) in a float dtype, or, with `kv_dtype`
     "int8" / "int4", their codes and per-entry scale tables (`structkv.ops.kv_quant`: k and v hold
     the codes, k_scale / v_scale (and k_min / v_min) are (B, Hkv, C, 1 or D/32)); pos (B, Hkv, C) the
-    original position of every slot (-1 empty). Every write quantizes once, on the way in."""
+    original position of every slot (-1 empty). Every write quantizes once, on the way in.
+
+    This class is the storage and its layouts (planes, rings, compaction, rows); how a query reads
+    the entries is `AttentionDispatch` (`kv_attention.py`), and what a decode-time KV bound keeps
+    beside them is `DecodeMemory` (`kv_decode_memory.py`)."""
 
     def __init__(self, batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype, device,
                  sliding_window: int | None = None, kv_dtype: str | None = None):
@@ -85,6 +90,14 @@ class LayerKVCache(nn.Module):
         tables = {t: (table_width(self.kv_dtype, head_dim), TABLE_DTYPES[t]) for t in TABLES[self.kv_dtype]}
         return {f"{side}{suffix}": spec for side in ("k", "v") for suffix, spec in (("", codes), *tables.items())}
 
+    @staticmethod
+    def capacity_buffers() -> tuple[str, ...]:
+        """Every buffer whose dim 2 is the capacity C, over every entry kind: each plane and `pos`
+        (what serve's compiled batch step marks dynamic: `structkv.runtime.decoding`)."""
+        kinds = [("k", "v")] + [tuple(f"{side}{suffix}" for side in ("k", "v") for suffix in ("", *tables))
+                                for tables in TABLES.values()]
+        return tuple(dict.fromkeys([name for planes in kinds for name in planes] + ["pos"]))
+
     @property
     def planes(self) -> tuple[str, ...]:
         """Names of the entry planes, k's then v's (each (B, Hkv, C, last))."""
@@ -103,99 +116,6 @@ class LayerKVCache(nn.Module):
         if self.kv_dtype is None:
             return self.k, self.v
         return tuple(dequantize_kv(side, self.kv_dtype, dtype or torch.float32) for side in self._sides())
-
-    def _kernel_kind(self, q: torch.Tensor) -> str | None:
-        """The CPU decode kernel's name for this layer's entries, or None where it does not apply."""
-        kind = self.kv_dtype or str(self.k.dtype).removeprefix("torch.")
-        return kind if self.kernel and cpu_decode.fits(q, self.k) and kind in cpu_decode.KINDS else None
-
-    def attend(self, q: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-        """One query token per row over this layer's entries: q (B, Hq, 1, D), mask (B, 1|Hkv, 1, C)
-        -> (B, Hq, 1, D). On CPU, where it is built, the decode kernel reads every kind of entry
-        (`structkv::cpu_decode_attention`); otherwise float entries go to SDPA (`decode_attention`)
-        and quantized ones to `structkv::quantized_decode_attention`."""
-        kind = self._kernel_kind(q)
-        if kind is not None:
-            k_planes, v_planes = self._sides()
-            return torch.ops.structkv.cpu_decode_attention(q, k_planes, v_planes, mask, scale, kind, self.threads)
-        if self.kv_dtype is None:
-            return decode_attention(q, self.k, self.v, mask, scale, self.threads)
-        k_planes, v_planes = self._sides()
-        return quantized_decode_attention(q, k_planes, v_planes, mask, scale, self.kv_dtype)
-
-    def attention(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
-        """New tokens q (B, Hq, S, D), k, v (B, Hkv, S, D) at `positions` (B, S) attend to the entries
-        and causally to each other, and are appended: (B, S, E) after `attn`'s output projection.
-        One token is written first and reads the buffer in place (decode); several attend over
-        entries + new and are written after (a ring could otherwise overwrite keys an earlier new
-        token still sees)."""
-        if q.shape[2] == 1:
-            if self.query_slots:
-                self._keep_query(q * attn.scale, positions)
-            self.write(k, v, positions)
-            kind = self._kernel_kind(q)
-            if kind is not None:  # the kernel decides from the slots' positions: no mask built a layer
-                k_planes, v_planes = self._sides()
-                out = torch.ops.structkv.cpu_decode_attention_at(q, k_planes, v_planes, self.pos, positions,
-                                                                 attn.sliding_window or 0, attn.scale, kind,
-                                                                 self.threads)
-            else:
-                out = self.attend(q, visible(positions, self.pos, attn.sliding_window), attn.scale)  # (B, Hq, 1, D)
-            return attn.o_proj(out.reshape(q.shape[0], 1, -1))
-        old_k, old_v = self.read(k.dtype)
-        new_pos = positions[:, None].expand(-1, k.shape[1], -1)  # (B, Hkv, S)
-        keys = (torch.cat([old_k, k], 2), torch.cat([old_v, v], 2), torch.cat([self.pos, new_pos], 2))
-        out = attn.attend(q, keys[0], keys[1], visible(positions, keys[2], attn.sliding_window))
-        self.write(k, v, positions)
-        return out
-
-    def keep_queries(self, slots: int, num_heads: int) -> None:
-        """Keep the last `slots` decode queries, already scaled, in a ring: q_recent (B, Hq, slots,
-        D) float32 and q_pos (B, slots) (-1 empty). What a decode-time eviction scores the entries
-        with (`structkv.modules.decode_bound`: SnapKV's observation window, on generated tokens)."""
-        if self.query_slots == slots:
-            return
-        B, device = self.pos.shape[0], self.pos.device
-        self.query_slots = slots
-        self.register_buffer("q_recent", torch.zeros(B, num_heads, slots, self.head_dim, device=device))
-        self.register_buffer("q_pos", torch.full((B, slots), -1, dtype=torch.long, device=device))
-
-    def take_queries(self, other: "LayerKVCache", rows: torch.Tensor | None = None, at: int = 0) -> None:
-        """Carry `other`'s decode-time memory, its kept queries and its carried centrality (its
-        `rows`, default all), into this layer's rows from `at`."""
-        if other.query_slots:
-            self.keep_queries(other.query_slots, other.q_recent.shape[1])
-            q, qp = (other.q_recent, other.q_pos) if rows is None else (other.q_recent[rows], other.q_pos[rows])
-            self.q_recent[at:at + q.shape[0]] = q
-            self.q_pos[at:at + q.shape[0]] = qp
-        if other.carried is not None:
-            c, u = other.carried, other.carried_upto
-            if rows is not None:
-                c, u = c[rows], u[rows]
-            self.carry_centrality(c.shape[1])
-            self.carried[at:at + c.shape[0], :c.shape[1]] = c
-            self.carried_upto[at:at + c.shape[0]] = u
-
-    def carry_centrality(self, positions: int) -> None:
-        """Hold a score per position, carried (B, P >= `positions`) float32, across decode steps (the
-        "centrality" rule of `structkv.modules.decode_bound`: StructKV's centrality from the prefill,
-        accumulated over decode queries); grown, never shrunk. A table per position, not per slot,
-        so compaction, resizing and rings leave it as it is."""
-        B, device = self.pos.shape[0], self.pos.device
-        if self.carried is None:
-            self.carried = torch.zeros(B, positions, device=device)
-            self.carried_upto = torch.full((B,), -1, dtype=torch.long, device=device)
-        elif self.carried.shape[1] < positions:
-            self.carried = torch.nn.functional.pad(self.carried, (0, positions - self.carried.shape[1]))
-
-    def _keep_query(self, q: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write one scaled query per row, q (B, Hq, 1, D) at positions (B, 1), into the ring."""
-        B, Hq = q.shape[:2]
-        slot = torch.remainder(positions, self.query_slots)  # (B, 1)
-        rows = torch.arange(B, device=q.device).view(B, 1)
-        heads = torch.arange(Hq, device=q.device).view(1, Hq, 1)
-        self.q_recent.index_put_((rows[:, None], heads, slot[:, None]), q.float())  # (B, Hq, 1) <- (B, Hq, 1, D)
-        self.q_pos.index_put_((rows, slot), positions)
 
     def compact(self) -> None:
         """Move each (row, head)'s entries to the front of a full-attention layer, in their order,

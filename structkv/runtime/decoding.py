@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.kv_cache import LayerKVCache
 from ..util.compiling import compiled_per_model, should_compile_decode
 
 STOP_CHECK_EVERY = 8  # decode steps between host checks of "every row has stopped"
@@ -51,7 +52,7 @@ def compiled_decode(backend="inductor", inductor: dict = DECODE_INDUCTOR):
 # Module buffers are static to dynamo unless a source names them (`torch.compiler.config.dynamic_sources`).
 _LAYER_BUFFER = r"L\['cache'\]\._modules\['layers'\]\._modules\['\d+'\]\._buffers\['"
 ROWS_AND_CAPACITY = ",".join([r"L\['tokens'\]:0", r"L\['positions'\]:0", _LAYER_BUFFER + r"\w+'\]:0",
-                              _LAYER_BUFFER + r"(k|v|pos)(_\w+)?'\]:2"])
+                              _LAYER_BUFFER + "(" + "|".join(LayerKVCache.capacity_buffers()) + r")'\]:2"])
 
 
 def batch_step(model, tokens, positions, cache):
