@@ -14,8 +14,9 @@ import torch
 
 import structkv
 from structkv import methods
+from structkv.runtime.compress import compress
 
-engine = importlib.import_module("structkv.runtime.compress")  # the module (the package exports the function)
+engine = importlib.import_module("structkv.runtime.lanes")  # the shared pass, whose _layer runs each lane
 
 READS = ("tolist", "item", "__bool__", "__int__", "__float__")
 
@@ -26,7 +27,7 @@ def models(tiny_dir):
 
 
 def _count_reads_per_layer(monkeypatch):
-    """Patch the host reads to count them while `compress._layer` runs; returns the counter."""
+    """Patch the host reads to count them while `lanes._layer` runs; returns the counter."""
     counter = {"inside": False, "reads": 0}
     for name in READS:
         real = getattr(torch.Tensor, name)
@@ -64,7 +65,7 @@ def test_layers_read_back_only_what_host_syncs_counts(models, monkeypatch, arch,
     positions = torch.arange(60).expand(2, -1).clone()
     positions[1, :9] = -1  # a left-padded row
     counter = _count_reads_per_layer(monkeypatch)
-    state = engine.compress(model, tokens, positions, methods.get(name, **options))
+    state = compress(model, tokens, positions, methods.get(name, **options))
     assert counter["reads"] == state.stats.host_syncs
     if reads is not None:
         assert state.stats.host_syncs == reads
