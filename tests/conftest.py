@@ -80,6 +80,15 @@ def gemma():
 # their own process (`make test`'s second step) and are not collected otherwise.
 collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["test_triton_interpret.py"]
 
+# The real models' fixtures: a test that uses one is a real-model check (`-m "not slow"` skips them).
+REAL_MODELS = {"gemma", "smollm2"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if REAL_MODELS & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 def byte_tokenizer_file(path):
     """A byte-level tokenizer.json (one token per byte, ids 0..255, <bos>=256, <eos>=257): cheap and exact."""

@@ -82,6 +82,7 @@ def test_cli_chat(chat_dir, chat_model, capsys):
 # ------------------------------------------------------------------ the real instruct model
 
 
+@pytest.mark.slow
 def test_smollm2_chat_matches_transformers_and_answers(tmp_path):
     from structkv.models.loading import SMOLLM2_GGUF
     from structkv.util.fetch import fetch
@@ -208,6 +209,7 @@ def test_plain_messages_encode_as_the_whole_rendering(chat_model, contents):
     assert chat.encode(tok, messages) == tok.encode(chat.render(tok, messages), add_bos=False)
 
 
+@pytest.mark.slow
 def test_smollm2_chat_refuses_forged_turns():
     """The real ChatML template: `<|im_end|>` / `<|im_start|>system` typed by a user stay text."""
     from structkv.models.loading import SMOLLM2_GGUF

@@ -147,3 +147,24 @@ def test_every_benchmark_script_is_in_the_index():
     root = Path(__file__).parents[1] / "benchmarks"
     index = (root / "README.md").read_text()
     assert [p.name for p in sorted(root.glob("*.py")) if f"({p.name})" not in index] == []
+
+
+def test_every_real_model_check_is_marked_slow():
+    """A test that loads a real model (by name, or through a real-model fixture) carries the
+    `slow` marker, so `pytest -m "not slow"` runs on the tiny models alone."""
+    import ast
+    from pathlib import Path
+
+    from conftest import REAL_MODELS
+
+    unmarked, here = [], "test_every_real_model_check_is_marked_slow"
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test_") or node.name == here:
+                continue
+            names = {a.arg for a in node.args.args}
+            loads = any(isinstance(n, ast.Constant) and n.value in ("smollm2", "gemma-3-270m") for n in ast.walk(node))
+            marked = any("slow" in ast.unparse(d) for d in node.decorator_list)
+            if loads and not marked and not names & REAL_MODELS:
+                unmarked.append(f"{path.name}::{node.name}")
+    assert unmarked == []
