@@ -19,6 +19,11 @@ class StreamingLLM(Method):
     name = "streaming_llm"
     compresses_kv = True
 
+    def validate(self) -> None:
+        super().validate()
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ValueError(f"streaming_llm: sinks must be an int >= 0 (first tokens always kept), got {self.sinks!r}")
+
     def kv_scores(self, view):
         """The first `sinks` real tokens first, then the most recent (higher position = keep)."""
         pos = view.positions

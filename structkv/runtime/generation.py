@@ -390,6 +390,9 @@ def _full_prefill(model, tokens, positions, max_new_tokens, backend, decode_back
 
 def _question_ids(model, question) -> list[int]:
     """A question's token ids (text without BOS, or ids), checked against the vocabulary."""
+    if is_batch(question):
+        raise ValueError(f"a question to a compressed state is one prompt (text or token ids), the same for every row; "
+                         f"got a list of {len(question)} prompts: ask them one at a time, each with state=")
     if isinstance(question, str):
         if model.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass the question as token ids")
