@@ -7,7 +7,7 @@ table gives each method's median prefill seconds and decode tokens/s per side an
 after / before.
 
     python benchmarks/bench_before_after.py --before /path/to/old/checkout --after . --rounds 2 \\
-        --out docs/results/bench/layout_before_after -- --model gemma-3-270m --lengths 4096 --no-hf
+        --out research/results/bench/layout_before_after -- --model gemma-3-270m --lengths 4096 --no-hf
 
 Everything after `--` goes to `structkv bench` as is.
 """

@@ -7,8 +7,8 @@ every label in the folder (or in `--labels`) has. Several folders made with the 
 (an equal-kept-bytes run kept apart from the main one) read as one; a label in two folders is
 refused.
 
-    python benchmarks/common_subset.py docs/results/smollm2_ruler_2k
-    python benchmarks/common_subset.py docs/results/longbench_8k_equal_kept docs/results/longbench_8k \
+    python benchmarks/common_subset.py research/results/smollm2_ruler_2k
+    python benchmarks/common_subset.py research/results/longbench_8k_equal_kept research/results/longbench_8k \
         --labels structkv@0.16,pyramidkv@0.1,snapkv@0.1
 """
 from __future__ import annotations

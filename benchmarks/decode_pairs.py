@@ -3,12 +3,12 @@ of the same depth, alternated `--pairs` times; the ratio of each adjacent pair, 
 bootstrap interval of it.
 
 Why: on a shared machine the memory bandwidth both engines are bound by moves by 10-40 % between
-minutes (docs/benchmarks.md), so a ratio of two medians measured minutes apart can move by more
+minutes (research/benchmarks_log.md), so a ratio of two medians measured minutes apart can move by more
 than the gap it is meant to settle. Adjacent pairs see the same machine; their ratios' median is
 what `llama_cpp_side_by_side.py`'s decode column estimates, with a spread.
 
     python benchmarks/decode_pairs.py --llama-bench $LLAMA_BENCH --model smollm2 --lengths 1024 \
-        --weights int8 --kv-dtype int8 --pairs 9 --out docs/results/bench/decode_pairs_smollm2
+        --weights int8 --kv-dtype int8 --pairs 9 --out research/results/bench/decode_pairs_smollm2
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ prompt with the source (structkv's own decoder) and with benchmarks/kvpress_peer
 presses on transformers): labels `hf:<method>@<R_KV>`, with the prefill seconds, the share of
 token-layers computed and the K+V bytes kept.
 
-    python benchmarks/hf_peer.py docs/results/ruler_2k_question_after_smollm2 --methods snapkv,keydiff,structkv \\
+    python benchmarks/hf_peer.py research/results/ruler_2k_question_after_smollm2 --methods snapkv,keydiff,structkv \\
         --kv-budget 0.1,0.2
 """
 from __future__ import annotations

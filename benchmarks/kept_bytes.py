@@ -6,8 +6,8 @@ from the prompt length alone (`planned_kv_entries` below), so this recomputes th
 record's `prompt_tokens` and the folder's model config. Where a record has the measured value too,
 the two are compared (they must be equal: the planned count is tested against `compress`).
 
-    python benchmarks/kept_bytes.py docs/results/longbench_8k [--common]
-    python benchmarks/kept_bytes.py docs/results/longbench_8k_equal_kept docs/results/longbench_8k \
+    python benchmarks/kept_bytes.py research/results/longbench_8k [--common]
+    python benchmarks/kept_bytes.py research/results/longbench_8k_equal_kept research/results/longbench_8k \
         --labels structkv@0.16,snapkv@0.1 --common
 
 (predictions.jsonl of `structkv eval`, or records.jsonl of `structkv eval fidelity`; several folders

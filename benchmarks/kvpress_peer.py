@@ -12,11 +12,11 @@ kvpress pins transformers < 5.3, structkv's tests use 5.x above it, so it runs i
 (the optional `peers` extra names the packages; never a test dependency):
 
     python -m venv /tmp/peers && /tmp/peers/bin/pip install torch==2.13.0 'structkv[peers]'
-    /tmp/peers/bin/python benchmarks/kvpress_peer.py docs/results/ruler_2k_question_after_smollm2 \
+    /tmp/peers/bin/python benchmarks/kvpress_peer.py research/results/ruler_2k_question_after_smollm2 \
         --presses kvzip,snapkv,expected_attention,keydiff --kv-budget 0.1,0.2
 
 kvpress supports Llama-family models (SmolLM2); it refuses KVzip on Gemma 3 and its Expected
-Attention fails on Gemma 3's rotary embedding (docs/results/README.md).
+Attention fails on Gemma 3's rotary embedding (research/results/README.md).
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def _plain_fast_tokenizer(folder: Path) -> None:
     """transformers' GGUF reader labels a llama-architecture GGUF's tokenizer `CodeLlamaTokenizer`
     even for a byte-level BPE vocabulary (SmolLM2's); reloaded under that class from the saved
     folder it turns newlines and spaces into token 0 (`<|endoftext|>`), so KVzipPress's repeat
-    prompt and chat markup came out corrupted (docs/results/README.md, "kvzip against kvpress").
+    prompt and chat markup came out corrupted (research/results/README.md, "kvzip against kvpress").
     The saved tokenizer.json is the GGUF's own: load it as the plain fast tokenizer it is."""
     config = folder / "tokenizer_config.json"
     d = json.loads(config.read_text())

@@ -8,10 +8,10 @@ over llama.cpp's of the same run.
 
     python benchmarks/llama_cpp_side_by_side.py --llama-bench /path/to/llama-bench \
         --model gemma-3-270m --lengths 1024,4096,8192 --weights fp32,int8,int4 --threads 2 \
-        --out docs/results/bench/llama_cpp_gemma
+        --out research/results/bench/llama_cpp_gemma
 
 llama.cpp is not a dependency: build `llama-bench` from the sources in llama-cpp-python's sdist
-(how: docs/benchmarks.md, "Against llama.cpp"). Writes rows.jsonl (one object per measurement,
+(how: research/benchmarks_log.md, "Against llama.cpp"). Writes rows.jsonl (one object per measurement,
 appended as it goes, so a stopped run keeps what it measured), table.md and speed.png.
 """
 from __future__ import annotations
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     if not args.table:
         if not args.llama_bench or not Path(args.llama_bench).is_file():
             raise SystemExit("pass --llama-bench (or set LLAMA_BENCH) to a llama-bench binary; "
-                             "docs/benchmarks.md says how to build one")
+                             "research/benchmarks_log.md says how to build one")
         import torch
 
         import structkv

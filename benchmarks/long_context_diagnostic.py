@@ -19,10 +19,10 @@ full cache's (relative L2 error), reported by layer kind: sliding / full attenti
 past the pivot. Records go to `--out` as JSON lines, one context at a time, so a run resumes.
 
     python benchmarks/long_context_diagnostic.py --model gemma-3-270m --length 16384 --seed 11 \
-        --contexts 4 --max-new-tokens 16 --threads 1 --out docs/results/long_context/dev_many_16384_s11.jsonl
+        --contexts 4 --max-new-tokens 16 --threads 1 --out research/results/long_context/dev_many_16384_s11.jsonl
     python benchmarks/long_context_diagnostic.py --tasks qa_1,qa_2,vt,niah_multikey_2,niah_multikey_3,niah_multivalue \
-        --length 32768 --seed 11 --contexts 1 --threads 1 --out docs/results/long_context/dev_ruler_32768_s11.jsonl
-    python benchmarks/long_context_diagnostic.py --report docs/results/long_context/dev_many_16384_s11.jsonl
+        --length 32768 --seed 11 --contexts 1 --threads 1 --out research/results/long_context/dev_ruler_32768_s11.jsonl
+    python benchmarks/long_context_diagnostic.py --report research/results/long_context/dev_many_16384_s11.jsonl
 """
 from __future__ import annotations
 

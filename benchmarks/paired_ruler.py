@@ -5,7 +5,7 @@ prompt moves a task by 10 points, so a difference of a point or two needs an int
 the two runs prompt by prompt (the same prompts: same task, same sample), resamples prompts within
 each task, and reports the difference of the task-averaged scores (x100) with its 95 % interval.
 
-    python benchmarks/paired_ruler.py docs/results/smollm2_ruler_4k --method structkv \\
+    python benchmarks/paired_ruler.py research/results/smollm2_ruler_4k --method structkv \\
         --against fastkv,snapkv,pyramidkv
 
 Compares at every R_KV the folder holds (`structkv@0.1` against `fastkv@0.1`, ...); a folder with
@@ -14,8 +14,8 @@ run kept in its own folder) pair by exact labels, the baselines read from `--aga
 settings must match (the runner's identity fields; `weights` and `kv_dtype` may differ: then the
 same prompts through a model stored two ways are what is compared):
 
-    python benchmarks/paired_ruler.py docs/results/longbench_8k_equal_kept --method structkv@0.16 \
-        --against pyramidkv@0.1,snapkv@0.1 --against-folder docs/results/longbench_8k
+    python benchmarks/paired_ruler.py research/results/longbench_8k_equal_kept --method structkv@0.16 \
+        --against pyramidkv@0.1,snapkv@0.1 --against-folder research/results/longbench_8k
 """
 from __future__ import annotations
 

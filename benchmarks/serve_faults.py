@@ -2,7 +2,7 @@
 input, one request's sampling beside another's, archives changed under the server, a one-client
 flood, clients that leave mid-body. Prints one table: each check, its target, what was measured.
 
-    python benchmarks/serve_faults.py --model gemma-3-270m --out docs/results/serve_faults_gemma.md
+    python benchmarks/serve_faults.py --model gemma-3-270m --out research/results/serve_faults_gemma.md
 
 The phases are functions of a server URL (`bad_input`, `isolation`, `archive_faults`, `flood`,
 `leavers`), so tests/test_serve_faults.py runs the fast ones against an in-process server.

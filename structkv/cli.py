@@ -182,10 +182,10 @@ TP_HELP = ("tensor-parallel degree: launch with `torchrun --nproc-per-node N -m 
            "(docs/distributed.md)")
 KV_DTYPE_HELP = ("store the KV cache's entries as bf16 (16 bits, no tables), int8 (per token and head scale) or "
                  "int4 (scale and minimum, two per byte) instead of the model's floats; stacks with every "
-                 "method's eviction (docs/benchmarks.md, 'Quantized KV')")
+                 "method's eviction (research/benchmarks_log.md, 'Quantized KV')")
 WEIGHTS_HELP = ("how the projections and the LM head are stored and multiplied: fp32, bf16, int8 (per-row scales) "
                 "or int4 (groups of 32; a GGUF's 4-bit tensors as the file has them, its 5-8 bit ones int8); "
-                "int8 and int4 run on CPU (docs/benchmarks.md, 'Quantized weights')")
+                "int8 and int4 run on CPU (research/benchmarks_log.md, 'Quantized weights')")
 
 
 def _weights_option(parser) -> None:
@@ -667,7 +667,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.command in SHARES_THE_MACHINE:
         # OpenMP's default spins while it waits for work; on a busy machine that loses most of a
-        # process's fair share (docs/benchmarks.md, "Threads on a busy machine"). Read when torch
+        # process's fair share (research/benchmarks_log.md, "Threads on a busy machine"). Read when torch
         # loads OpenMP, so set before the command imports it; an explicit setting wins.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:

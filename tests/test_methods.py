@@ -588,7 +588,7 @@ def test_scoring_and_budget_options_keep_their_invariants(llama, options):
 
 
 def test_the_context_default_follows_the_kind_of_model():
-    """A context compressed before its questions gets its kind's default (docs/results/README.md,
+    """A context compressed before its questions gets its kind's default (research/results/README.md,
     "Third choice"): models with sliding-window layers the union at 10 %, dense models KeyDiff at
     10 %; the kind is read from `layer_types`, and each default builds at its budget."""
     from structkv.models.config import ModelConfig, RopeConfig

@@ -8,9 +8,9 @@ ordinary eval folder (config.json, predictions.jsonl, summary.md; `configuration
 each label is), which benchmarks/paired_ruler.py and common_subset.py read.
 
     python research/experiments/agnostic_dev.py --seed 7 --samples 2 --kv-budget 0.2 \
-        --out docs/results/agnostic_dev_ruler_4k_kv0.2
+        --out research/results/agnostic_dev_ruler_4k_kv0.2
     python research/experiments/agnostic_dev.py --benchmark longbench --first 2 --samples 1 --max-new-tokens 64 \
-        --kv-budget 0.1,0.2 --out docs/results/agnostic_dev_longbench_4k
+        --kv-budget 0.1,0.2 --out research/results/agnostic_dev_longbench_4k
 """
 from __future__ import annotations
 

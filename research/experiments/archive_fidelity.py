@@ -3,7 +3,7 @@ question tokens' attention over the context's keys and values encoded one way, a
 entries (one uncompressed pass of context + question, the many-questions task).
 
 Why: on the development prompts a bf16 archive gives the full cache's answers where the int4
-archive loses some (docs/results/README.md, "Where the int4 archive loses"), so the 4-bit encoding, not the
+archive loses some (research/results/README.md, "Where the int4 archive loses"), so the 4-bit encoding, not the
 selection, is the loss; this instrument compares encodings without an accuracy run. Printed per
 layer: the mean KL (nats) of the question's attention distribution over the context, the
 relative L2 error of its attention output, and the share of the exact top-32 context entries

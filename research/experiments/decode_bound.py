@@ -10,7 +10,7 @@ its KV bytes allocated at the end. Rows of one record share one run, so their sp
 
     python research/experiments/decode_bound.py --model gemma-3-270m --tasks gov_report --first 0 \\
         --context 1024 --continuation 1024 --bounds 256,512,1024 --rules window,redundancy,recent \\
-        --out docs/results/decode_bound/dev_gemma.jsonl
+        --out research/results/decode_bound/dev_gemma.jsonl
 
 Resumes: records already in `--out` are skipped; `summary.md` beside it is rewritten.
 """

@@ -8,7 +8,7 @@ table gives each copy's median decode tokens/s and its ratio to the first (the p
 separate products, asserts on), with the per-round ratios' median.
 
     python research/experiments/decode_step_ab.py --model smollm2 --weights int4 --kv-dtype bf16 --length 1024 \
-        --rounds 9 --out docs/results/bench/decode_step_ab_smollm2
+        --rounds 9 --out research/results/bench/decode_step_ab_smollm2
 """
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """The compress-once default, chosen by the criterion written before any confirmation run
-(docs/results/README.md, "Ask-time recall"): a candidate's score is its *worst* share of the full
+(research/results/README.md, "Ask-time recall"): a candidate's score is its *worst* share of the full
 cache over the development folders; the highest wins; within `--tie` of share the smaller hot set
 wins, then the smaller recall budget, none first (cheaper per question).
 
 Each folder is read over the prompts every candidate and the full cache have (a folder's full
 cache is its own reference), so a partial folder still compares like with like.
 
-    python research/experiments/default_criterion.py docs/results/many_dev_gemma_4k \
-        docs/results/many_dev_smollm2_2k docs/results/many_dev_gemma_longbench_4k
+    python research/experiments/default_criterion.py research/results/many_dev_gemma_4k \
+        research/results/many_dev_smollm2_2k research/results/many_dev_gemma_longbench_4k
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ kvpress runs in its own venv (transformers < 5.3; benchmarks/kvpress_peer.py say
 
     /tmp/peers/bin/python research/experiments/kvpress_decoding.py --tasks gov_report,multi_news --first 1 --records 2 \\
         --continuation 512 --bounds 256,512 --presses streaming_llm,snapkv,knorm \\
-        --out docs/results/decode_bound/kvpress_dev2_smollm2.jsonl --ours docs/results/decode_bound/dev2_smollm2.jsonl
+        --out research/results/decode_bound/kvpress_dev2_smollm2.jsonl --ours research/results/decode_bound/dev2_smollm2.jsonl
 
 Resumes: records already in `--out` are skipped; a table `.md` beside it is rewritten.
 """

@@ -7,8 +7,8 @@ compares per layer and KV head: the reconstruction scores (largest absolute diff
 kept entries (Jaccard overlap of the kept sets; KVzipPress masks what it evicts, structkv drops
 it). Runs in the peers venv (kvpress pins transformers < 5.3; see kvpress_peer.py).
 
-    /tmp/peers/bin/python research/experiments/kvzip_equivalence.py docs/results/many_dev_smollm2_2k --contexts 4 \\
-        --kv-budget 0.1,0.2 --out docs/results/kvzip_equivalence/smollm2_2k.md
+    /tmp/peers/bin/python research/experiments/kvzip_equivalence.py research/results/many_dev_smollm2_2k --contexts 4 \\
+        --kv-budget 0.1,0.2 --out research/results/kvzip_equivalence/smollm2_2k.md
 """
 from __future__ import annotations
 

@@ -20,9 +20,9 @@ setting) are skipped; `--out`'s `.md` table is rewritten.
 
     python research/experiments/long_output.py summary --model gemma-3-270m --tasks gov_report,multi_news \\
         --records 2 --context 1024 --new-tokens 512 --bounds 256,512,1024 --rules centrality,recent \\
-        --out docs/results/long_output/summary_gemma.jsonl
+        --out research/results/long_output/summary_gemma.jsonl
     python research/experiments/long_output.py chat --model smollm2 --sessions 6 --turns 8 --bounds 256,512,1024 \\
-        --rules centrality,recent --out docs/results/long_output/chat_smollm2.jsonl
+        --rules centrality,recent --out research/results/long_output/chat_smollm2.jsonl
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ folders written by `hf_peer.py` (structkv.hf) and `kvpress_peer.py` (kvpress's p
 prefill seconds, the mean and largest peak resident memory an answer added above the loaded model
 (`kvpress_peer.PeakRSS`) and the K+V MiB kept, over the prompts every label has.
 
-    python research/experiments/peer_costs.py docs/results/ruler_2k_question_after_smollm2_hf_mem \\
-        docs/results/ruler_2k_question_after_smollm2_kvpress_mem
+    python research/experiments/peer_costs.py research/results/ruler_2k_question_after_smollm2_hf_mem \\
+        research/results/ruler_2k_question_after_smollm2_kvpress_mem
 """
 from __future__ import annotations
 

@@ -4,11 +4,11 @@ sending requests one after another, against the same server one request at a tim
 
 Every request is a distinct prompt (a cut of the bundled LongBench documents plus a question),
 compressed whole with the server's method, and streams up to --max-tokens new tokens (greedy: the
-same answers, so the same work, in both modes). Prints a markdown table (docs/benchmarks.md) and
+same answers, so the same work, in both modes). Prints a markdown table (research/benchmarks_log.md) and
 writes the records as JSON.
 
-    python research/experiments/serve_batching.py --model gemma-3-270m --out docs/results/bench/serve_batching_gemma
-    python research/experiments/serve_batching.py --model smollm2 --out docs/results/bench/serve_batching_smollm2
+    python research/experiments/serve_batching.py --model gemma-3-270m --out research/results/bench/serve_batching_gemma
+    python research/experiments/serve_batching.py --model smollm2 --out research/results/bench/serve_batching_smollm2
 """
 from __future__ import annotations
 

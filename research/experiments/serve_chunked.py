@@ -10,7 +10,7 @@ arrival window (from its sending to its first token); the table gives their p50 
 ratio (arrival / idle; the issue's target is < 2) and the long request's time to first token.
 
     python research/experiments/serve_chunked.py --model gemma-3-270m --shares 0.4,1.0 \
-        --out docs/results/bench/serve_chunked_gemma
+        --out research/results/bench/serve_chunked_gemma
     python research/experiments/serve_chunked.py --model gemma-3-270m --rounds 0 --slicing-cost --out ...  # slicing's own cost
 """
 from __future__ import annotations

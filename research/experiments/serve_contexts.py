@@ -4,8 +4,8 @@ after ask-time recall became the default: the bytes each cached state counts aga
 its logits, and its archive when the archive is in RAM) for one many-questions document, per
 configuration, and the contexts a bound holds (bound // bytes) as a ratio of the old default's.
 
-Accuracy is not measured here: each configuration's is in docs/results/README.md ("Ask-time
-recall"; the same method and budgets), and int8 entries' effect in docs/benchmarks.md.
+Accuracy is not measured here: each configuration's is in research/results/README.md ("Ask-time
+recall"; the same method and budgets), and int8 entries' effect in research/benchmarks_log.md.
 
     python research/experiments/serve_contexts.py --model gemma-3-270m --length 4096 --cache-bytes 1GiB
 """

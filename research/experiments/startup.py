@@ -9,7 +9,7 @@ already ran one. "process s" is the whole command (Python start, imports, load, 
 "generate call s" is the call alone (structkv: prefill + decode from its stats line).
 
     python research/experiments/startup.py                  # both cases, table on stdout
-    python research/experiments/startup.py --out docs/results/startup.md
+    python research/experiments/startup.py --out research/results/startup.md
     python research/experiments/startup.py --only decode    # what compiling the decode step costs and saves
 """
 from __future__ import annotations

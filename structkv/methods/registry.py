@@ -72,16 +72,16 @@ register("structkv_no_decay", StructKV, skeleton="centrality", decay=1.0)
 register("structkv_coupled", StructKV, couple_struct_to_kv=True)  # R_struct = R_KV
 # Compress once, ask many: StructKV's structure (fixed pivot, skeleton, guided retention, decoupled
 # budgets) on a query-free signal, each key's novelty, chosen on the development split
-# (docs/results/README.md, "Compress once, ask many").
+# (research/results/README.md, "Compress once, ask many").
 register("structkv_agnostic", StructKV, signal="novelty")
 # The same with a recency term: the last 128 context tokens always kept (the window), chosen on
 # the development splits of RULER and LongBench together for its worse-of-the-two score; not
-# confirmed on the confirmation prompts, so not the default (docs/results/README.md, "A recency term").
+# confirmed on the confirmation prompts, so not the default (research/results/README.md, "A recency term").
 register("structkv_agnostic_recent", StructKV, signal="novelty", window=128)
 # Novelty and the end of the context's attention together: each column ranked by the larger of its
 # two percentile ranks (about half the budget each), the last 32 tokens always kept; chosen on a
 # fidelity development split of RULER and LongBench for its worse-of-the-two KL and confirmed on
-# their confirmation prompts (docs/results/README.md, "Novelty and the window together"). Its own
+# their confirmation prompts (research/results/README.md, "Novelty and the window together"). Its own
 # default keeps 20 % of the KV: at 10 % it loses the needles on both models (SmolLM2 2K: 3.1 vs
 # 13.1 for `structkv_agnostic`), at 20 % no kind of document or model measured collapses with it.
 register("structkv_agnostic_union", StructKV, signal="union", window=32, kv_budget=0.2)
@@ -93,7 +93,7 @@ register("structkv_agnostic_union", StructKV, signal="union", window=32, kv_budg
 # reads (ask-time recall, `structkv.modules.recall`: 20 % of the context per layer by default,
 # "Fourth choice"). Chosen per kind by the criterion written before the confirmation runs, the
 # worst share of the full cache over that kind's development sets
-# (docs/results/README.md, "Third choice"): models with sliding-window layers (Gemma 3) the union of
+# (research/results/README.md, "Third choice"): models with sliding-window layers (Gemma 3) the union of
 # novelty and window at 10 % (0.85, KeyDiff 0.77); dense models KeyDiff at 10 % (1.07: past
 # StructKV's pivot a dense model's layers hold only the skeleton, which recall cannot undo).
 # Without its archive KeyDiff's hot set alone loses the facts: a door that turns recall off should

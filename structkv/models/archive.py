@@ -9,7 +9,7 @@ every (row, KV head) did not keep, in `kind`:
   values as the per-entry int4 of `structkv.ops.kv_quant` (a scale and minimum per 32 dimensions);
   both keep two codes a byte and cost the same bytes per entry;
 - "int4_token": keys per entry too (format 1's int4, kept to compare: its rounding of the small
-  key channels cost Gemma 3 270M 12 points of fact lookup, docs/results/archive_fidelity);
+  key channels cost Gemma 3 270M 12 points of fact lookup, research/results/archive_fidelity);
 - "int8": the codes and per-entry scale of `structkv.ops.kv_quant`;
 - "bf16": 16-bit floats; "float": the model's own dtype (exact: a reference, not a saving).
 

@@ -247,7 +247,7 @@ class Decoder(nn.Module):
     def use_int8_head(self) -> "Decoder":
         """Compute one row's next-token logits from an exact int8 copy of the LM head
         (`Int8BlockHead`): GGUF Q8_0 heads (Gemma 3 270M's) are int8 blocks, so single-stream decode
-        reads 4x fewer head bytes for the same numbers (speed: docs/benchmarks.md). Batches keep the
+        reads 4x fewer head bytes for the same numbers (speed: research/benchmarks_log.md). Batches keep the
         float head. Raises if the head is not exactly int8 blocks; costs 1/4 of the head's bytes in
         memory. Returns the model."""
         from .int8_head import Int8BlockHead

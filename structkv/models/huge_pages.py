@@ -3,7 +3,7 @@
 Why: a decode step streams every weight once, from memory, in short runs (one product of 0.2-1 MB
 after another). On 4 KB pages the int4 product loop streamed ~24 GB/s on two threads over 66 MB
 of SmolLM2-shaped weights, on 2 MB pages ~33 GB/s (eec7727, an AVX-512 EPYC; a standalone loop
-with and without madvise, docs/benchmarks.md). Linux gives huge pages in its usual "madvise" mode
+with and without madvise, research/benchmarks_log.md). Linux gives huge pages in its usual "madvise" mode
 only to memory advised MADV_HUGEPAGE before it is first touched, and PyTorch's allocator advises
 only single allocations of 2 MB and more (with THP_MEM_ALLOC_ENABLE set), while the weights are
 hundreds of tensors under that. So `place_on_huge_pages` copies them into one arena, advised

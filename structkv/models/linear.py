@@ -3,7 +3,7 @@
 torch's CPU kernels run x (M, in) @ W^T at M = 1-3 float32 rows as slow matrix-vector products
 (measured on the 2-core reference machine: Gemma 3 270M's 126 projections take 28 ms per decode
 step at one row, 44 ms at two), while W @ x^T as a GEMM takes 14.5 ms (one row padded to two)
-and 11 ms (docs/benchmarks.md, "Continuous batching"). A decode step (one token per row: x (B, 1,
+and 11 ms (research/benchmarks_log.md, "Continuous batching"). A decode step (one token per row: x (B, 1,
 in)) of up to `SKINNY_ROWS` rows therefore goes as W @ x^T; everything else is nn.Linear's.
 """
 from __future__ import annotations

@@ -324,7 +324,7 @@ def load(name_or_path: str | os.PathLike, *, dtype=None, device="cpu", check_wei
     GQA groups; None or 1: the whole model.
     `weights`: how the projections and the LM head are stored and multiplied: "fp32" (the model's
     dtype), "bf16", "int8" or "int4" (CPU; a GGUF's 4-bit tensors kept as the file has them):
-    `structkv.models.quantized`, speed and loss in docs/benchmarks.md.
+    `structkv.models.quantized`, speed and loss in research/benchmarks_log.md.
     `kv_dtype`: how every KV cache the model makes stores its entries: None (the model's dtype),
     "int8" or "int4" (`structkv.ops.kv_quant`; `model.kv_dtype` can be changed later).
     """

@@ -21,7 +21,7 @@ PyTorch's packed kernels take bfloat16 activations (their float32 paths are a sl
 slower, measured), so a product there rounds its input to bfloat16 and returns the model's dtype.
 A GGUF file's blocks are dequantized at load and quantized again here: Q8_0 and Q4_0/Q4_1 blocks
 of 32 are not bit-exact in these forms (per-row int8 scales; bf16 group scales) and
-`docs/benchmarks.md` reports the measured loss instead (logit KL to float32, RULER).
+`research/benchmarks_log.md` reports the measured loss instead (logit KL to float32, RULER).
 """
 from __future__ import annotations
 

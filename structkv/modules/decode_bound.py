@@ -16,7 +16,7 @@ ranked by a decode-time rule (one class each in `structkv.modules.decode_rules`,
 - "recent": the sinks and the most recent entries only (StreamingLLM), no scoring at all.
 - "centrality" (the default): StructKV's centrality carried forward, chosen by the criterion
   written before its runs (lowest mean KL at bound 512 over 8 development record-model pairs:
-  0.075 against "window" 0.117 and "recent" 0.149; docs/results/decode_bound). A StructKV prefill
+  0.075 against "window" 0.117 and "recent" 0.149; research/results/decode_bound). A StructKV prefill
   leaves each prompt position's global in-degree centrality (decayed over depth, normalised to one
   layer's scale) in every layer's table (`LayerKVCache.carried`); while generating, each layer
   folds the attention its decode queries give each position into its table every 32 tokens (and
@@ -61,7 +61,7 @@ class DecodeBound:
     sinks up to 4, recent up to 32, each at most a quarter of the bound)."""
 
     max_tokens: int
-    rule: str = "centrality"  # chosen on the second development split (docs/results/decode_bound)
+    rule: str = "centrality"  # chosen on the second development split (research/results/decode_bound)
     every: int | None = None
     sinks: int | None = None
     recent: int | None = None

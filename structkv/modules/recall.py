@@ -31,13 +31,13 @@ from .selection import pool_scores, select_tokens
 
 # Entries recalled per archived layer per question, a ratio of the context as R_KV. 0.2: the
 # smallest budget within 0.03 of the best worst share of the full cache over both kinds' development
-# folders (0.1 / 0.2 / 0.3; docs/results/README.md, "Fourth choice"); the archive holds every evicted
+# folders (0.1 / 0.2 / 0.3; research/results/README.md, "Fourth choice"); the archive holds every evicted
 # entry whatever the budget, so a larger one costs time per question, not resident memory.
 DEFAULT_RECALL = 0.2
 TILE = 1024  # archived entries dequantized at a time
 # The question's attention max-pooled over 31 neighbouring positions, so a pick brings its sentence
 # along (a fact's value sits a few tokens after the words a question matches): chosen on a
-# development split over 7 (SnapKV's), 15, 31 and 63 (docs/results/recall_kernel_dev/gemma_4k.md:
+# development split over 7 (SnapKV's), 15, 31 and 63 (research/results/recall_kernel_dev/gemma_4k.md:
 # best or level for every hot set tried; 7 lost the later digits of the answers)
 KERNEL, POOLING = 31, "max"
 

@@ -1,6 +1,6 @@
 """`structkv::cpu_decode_attention`: the decode attention's CPU kernel (csrc/decode_attention.c).
 One query token per row over float32, bfloat16, int8 or int4 KV entries, every key and value row
-read once for all the query heads of its KV head (docs/benchmarks.md has the measurements that
+read once for all the query heads of its KV head (research/benchmarks_log.md has the measurements that
 called for it: PyTorch's CPU flash attention spent most of a small model's decode step on its
 fixed costs). The C kernel is compiled inside a C++ op (csrc/decode_attention_op.cpp, against
 torch's headers) on first use into `$STRUCTKV_CACHE/kernels` (named by a digest of both sources,

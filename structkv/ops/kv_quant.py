@@ -8,7 +8,7 @@ head never costs the others their precision:
 - int8: symmetric, codes in [-127, 127], x ~ code * scale, scale = max|x| / 127;
 - int4: asymmetric per group of `INT4_GROUP` dimensions (16 levels cannot span a head whose few
   outlier channels are 10x the rest: one scale per head measured KL 0.76 against the float cache
-  on Gemma 3 270M, groups of 32 far less, docs/benchmarks.md), codes in [0, 15],
+  on Gemma 3 270M, groups of 32 far less, research/benchmarks_log.md), codes in [0, 15],
   x ~ code * scale + min, scale = (max - min) / 15; two codes per byte, dimension j in the low
   nibble and j + D/2 in the high one (a kernel then reads two contiguous halves, no interleaving).
 Scales are bfloat16 (2 bytes, float32's range) rounded up, so no code is clipped; int4 minima

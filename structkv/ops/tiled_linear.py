@@ -8,7 +8,7 @@ output row at a time and takes bf16 activations; on decode's short rows (K 576-1
 reduction inductor compiles for the decode step 0.15 there, where llama.cpp multiplies its codes
 by int8 activations. These kernels do the same: x quantized per group of 32 to int8 (symmetric, one
 float scale a group), the codes multiplied as integers 16 rows at a time (VPDPBUSD on AVX-512 VNNI,
-VPMADDUBSW on AVX2), the float scales applied once per group (docs/benchmarks.md has the
+VPMADDUBSW on AVX2), the float scales applied once per group (research/benchmarks_log.md has the
 measurements). A prompt (M >= `dense_rows`) unpacks the weight 4096 rows at a time and runs GEMMs
 on the unquantized x: in bf16 where the CPU multiplies bf16 natively (AVX512_BF16, AMX), else in
 float32 (a bf16 GEMM without them ran 7x slower than float32, measured on an AVX2 machine).

@@ -64,7 +64,7 @@ def compiled_batch_decode(backend="inductor"):
     """The decode step of a batch whose rows come and go (serve's), compiled with the row count
     and the cache's capacity symbolic: one graph per row class (1 row; 2 up to
     `structkv.models.linear.SKINNY_ROWS`; more) serves every later membership and length, where a
-    static graph per (rows, capacity) recompiled at every join and leave (docs/benchmarks.md).
+    static graph per (rows, capacity) recompiled at every join and leave (research/benchmarks_log.md).
     The sources are named only while this step runs (set and restored around each call): other
     compiled functions keep their static shapes."""
     step = compiled_per_model(batch_step, backend, DECODE_INDUCTOR, fullgraph=True, dynamic=False)

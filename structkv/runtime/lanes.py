@@ -198,9 +198,7 @@ def _restart(model, tokens, lane: _Lane, view, kept, lengths, room, compile, led
     (target,) = lane.targets
     with ledger.timer.phase("restart") as span:
         ids, positions, columns = lane.prop.restart_prompt(tokens, view, kept)
-        from .compress import compress  # the API above this engine: a restart is a new prefill
-
-        target.state = compress(model, ids, positions, Full(), room, compile)
+        target.state = run_pass(model, ids, positions, [Full()], room, compile, NO_TIMER, None, archive=[None])[0]
         target.state.kept_columns = columns
         target.state.method, target.state.lengths = target.method, lengths.tolist()
     ledger.charge([target], span.seconds)

@@ -99,7 +99,7 @@ class Settings:
     # streams' time between tokens then grows to about 1 + share, plus what a prefill running
     # beside them costs their steps (caches), and its own prefill takes about (1 + share) / share
     # times as long. 0.4: the p95 inter-token latency stays under 2x its idle value on Gemma 3
-    # 270M at 4K (docs/benchmarks.md, "Chunked prefill")
+    # 270M at 4K (research/benchmarks_log.md, "Chunked prefill")
     prefill_share: float = 0.4
 
     def __post_init__(self):

@@ -7,7 +7,7 @@ prefill's pause points are deep inside its call (compression, probes, archives, 
 cache), and a callback reaches them without a generator version of every prefill path. One
 thread, not two: a first version ran the prefill on its own thread and handed control back and
 forth, and the decode steps between its slices ran markedly slower (likely the idle thread's
-OpenMP workers spinning on the cores the step needed; docs/benchmarks.md). So the model is
+OpenMP workers spinning on the cores the step needed; research/benchmarks_log.md). So the model is
 never used by two threads at once, and a long prompt no longer stops every stream for its whole
 prefill (chunked prefill, in time rather than in tokens: every method's prefill stays whole).
 """

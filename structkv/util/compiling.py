@@ -12,7 +12,7 @@ Compiling the decode step makes each token cheaper, but the compile itself costs
 seconds the first time on a machine and a few seconds when inductor's on-disk cache already
 holds the graphs (dynamo still traces). A short generation therefore runs eager, and a long one
 compiles. The prefill runs eager under "auto": its work is dominated by matmuls and the opaque
-attention op, so compiling it gains little (docs/benchmarks.md) and costs a second graph.
+attention op, so compiling it gains little (research/benchmarks_log.md) and costs a second graph.
 
 The decode step is compiled per model structure (`compiled_per_model`): dynamo's own guards on
 the model argument (every module's type and attributes, every parameter's shape, stride and
@@ -43,7 +43,7 @@ from .fetch import cache_root
 
 # Tokens to generate from which compiling the decode step is faster overall: its compile time
 # divided by what it saves per token, cold (no graphs on disk) and warm, as measured on the 2-core
-# CPU reference machine (docs/benchmarks.md, "Start-up").
+# CPU reference machine (research/benchmarks_log.md, "Start-up").
 DECODE_TOKENS_COLD = 8192
 DECODE_TOKENS_WARM = 1536
 # On a GPU an eager decode step is bound by its hundreds of kernel launches a token, which the
