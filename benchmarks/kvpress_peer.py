@@ -177,7 +177,8 @@ def run_peer(source: Path, out: Path | None, samples: int | None, prefix: str, r
     (`PeakRSS`). `setup(ours, cfg)` returns `answer(name, budget, sample, cap) -> (prediction,
     extra record fields)`, `ours` being structkv's model of the folder."""
     import structkv
-    from structkv.harness.eval.runner import EvalConfig, _read_predictions, build_samples, sample_key, score
+    from structkv.harness.eval.result_folder import read_predictions, sample_key
+    from structkv.harness.eval.runner import EvalConfig, build_samples, score
 
     stored = json.loads((source / "config.json").read_text())["config"]
     if not stored.get("question_after"):
@@ -189,7 +190,7 @@ def run_peer(source: Path, out: Path | None, samples: int | None, prefix: str, r
     out = Path(out or f"{source}_{prefix}")
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source / "config.json", out / "config.json")  # the same identity settings: the folders pair
-    done = _read_predictions(out / "predictions.jsonl") if (out / "predictions.jsonl").exists() else {}
+    done = read_predictions(out / "predictions.jsonl") if (out / "predictions.jsonl").exists() else {}
     with (out / "predictions.jsonl").open("a") as sink:
         for sample in build_samples(cfg, ours.tokenizer):
             for name, budget in runs:

@@ -120,7 +120,7 @@ def test_a_development_split_starts_at_first(tok, tmp_path):
     """`first`: LongBench records and RULER samples from that index on, the same prompts the default
     run builds there, under their own indices (so a dev folder never shares a prompt key with the
     confirmation run), and a folder refuses the other split."""
-    from structkv.harness.eval import runner
+    from structkv.harness.eval import result_folder, runner
 
     dev = longbench.load("trec", tok, 10**7, samples=2, first=2)
     assert [r["index"] for r in dev] == [2, 3]
@@ -134,7 +134,7 @@ def test_a_development_split_starts_at_first(tok, tmp_path):
         runner.EvalConfig("ruler", first=2).validate()
     runner.write_text_atomic(tmp_path / "config.json", json.dumps({"config": {"benchmark": "ruler", "model": "x"}}))
     with pytest.raises(ValueError, match="other settings.*first"):
-        runner._check_settings(runner.EvalConfig("ruler", model="x", first=2, samples=1), tmp_path)
+        result_folder.check_settings(runner.EvalConfig("ruler", model="x", first=2, samples=1), tmp_path)
 
 
 def test_longbench_middle_truncation_keeps_head_and_tail(tok):

@@ -22,7 +22,8 @@ from pathlib import Path
 import structkv
 from structkv import methods
 from structkv.harness.eval.fidelity import answer_ids, measure
-from structkv.harness.eval.runner import EvalConfig, _open_output, _read_predictions, build_samples
+from structkv.harness.eval.result_folder import open_output, read_predictions
+from structkv.harness.eval.runner import EvalConfig, build_samples
 from structkv.util.files import write_text_atomic
 
 RULER = "niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,niah_multiquery,qa_1,vt,cwe,fwe"
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
     if known.exists() and json.loads(known.read_text())["config"]["kv_budgets"] != cfg.kv_budgets:
         p.error(f"{out} holds records at another R_KV; choose another --out folder")
     try:
-        done = _open_output(cfg, out, name="records.jsonl")  # refuses other settings, repairs a cut last line
+        done = open_output(cfg, out, name="records.jsonl")  # refuses other settings, repairs a cut last line
     except ValueError as e:
         p.error(str(e))
     sink = out / "records.jsonl"
@@ -102,7 +103,7 @@ def summary(sink: Path, args, argv) -> str:
     ruler = set(RULER.split(","))
     kl: dict[tuple[str, str], list[float]] = {}
     gold: dict[tuple[str, str], list[float]] = {}
-    for r in _read_predictions(sink, quiet=True).values():
+    for r in read_predictions(sink, quiet=True).values():
         key = ("ruler" if r["task"] in ruler else "longbench", r["label"])
         kl.setdefault(key, []).append(r["kl"])
         gold.setdefault(key, []).append(r["gold_nll"] - r["full_gold_nll"])

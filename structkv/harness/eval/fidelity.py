@@ -33,16 +33,8 @@ import torch
 
 from ...util.files import write_text_atomic
 from .. import mean
-from .runner import (
-    Progress,
-    _check_settings,
-    _open_output,
-    _read_predictions,
-    build_samples,
-    chat_scope,
-    make_method,
-    method_runs,
-)
+from .result_folder import check_settings, open_output, read_predictions
+from .runner import Progress, build_samples, chat_scope, make_method, method_runs
 
 BOOTSTRAP = 2000
 GOLD_TOKENS = 64  # gold NLL over at most the answer's first 64 tokens (summaries: (R, S, V) logits fit)
@@ -121,7 +113,7 @@ def run(cfg, out, model=None, *, progress: bool = True) -> dict:
                          "set one to the other")
     cfg.validate(model.config)
     out = Path(out)
-    done = _open_output(cfg, out, name="records.jsonl")
+    done = open_output(cfg, out, name="records.jsonl")
     samples = build_samples(cfg, model.tokenizer, progress)
     runs = [r for r in method_runs(cfg) if r[1] != "full"]
     bar = Progress(len(samples), sum(_key(runs[0][0], s) not in done for s in samples), progress)
@@ -151,8 +143,8 @@ def report(cfg, out, *, write: bool = True) -> dict:
     out = Path(out)
     if not (out / "records.jsonl").exists():
         raise FileNotFoundError(f"{out} has no records.jsonl; run the fidelity evaluation first")
-    _check_settings(cfg, out)
-    return _report(cfg, out, _read_predictions(out / "records.jsonl"), write=write)
+    check_settings(cfg, out)
+    return _report(cfg, out, read_predictions(out / "records.jsonl"), write=write)
 
 
 def _key(label: str, sample: dict) -> str:

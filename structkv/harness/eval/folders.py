@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .runner import IDENTITY, _read_predictions, identity
+from .config import IDENTITY
+from .result_folder import identity, read_predictions
 
 
 def settings_clash(a: Path, b: Path) -> dict[str, tuple]:
@@ -39,7 +40,7 @@ def runs(folders: list[Path], labels: list[str] | None = None) -> dict[str, dict
         if path is None:
             raise ValueError(f"{folder} holds no predictions.jsonl (nor a fidelity records.jsonl)")
         here: dict[str, dict] = {}
-        for r in _read_predictions(path).values():
+        for r in read_predictions(path).values():
             if labels is None or r["label"] in labels:
                 here.setdefault(r["label"], {})[prompt_key(r)] = r
         if twice := set(here) & set(by):

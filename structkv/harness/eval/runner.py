@@ -12,136 +12,16 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ... import methods as methods_registry
-from ...models.quantized import check_weights
 from ...modules.budget import Budget
-from ...ops.kv_quant import check_kv_dtype
 from ...util.files import write_text_atomic
-from .. import environment, mean, median
+from .. import mean, median
 from . import metrics
-from .benchmarks import BENCHMARKS, chat_wrapper
-from .benchmarks import get as get_benchmark
-
-# Settings that define what a result means: a folder cannot mix runs that differ in these.
-IDENTITY = ("benchmark", "model", "seed", "first", "struct_budget", "max_new_tokens", "window", "longbench_full",
-            "chat", "chat_every_task", "question_after", "continuation", "weights", "kv_dtype", "archive")
-
-
-@dataclass
-class EvalConfig:
-    benchmark: str
-    model: str = "gemma-3-270m"
-    methods: list[str] = field(default_factory=lambda: ["full", "snapkv", "structkv"])
-    kv_budgets: list[float] = field(default_factory=lambda: [0.1])
-    struct_budget: float = 0.2
-    lengths: list[int] = field(default_factory=lambda: [4096])
-    tasks: list[str] | None = None  # None: every task of the benchmark
-    samples: int | None = None  # per task; None: 10 generated (RULER, niah), every record (LongBench)
-    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])  # niah only
-    seed: int = 42
-    # The first sample index of every task: LongBench records and RULER samples from here on, so a
-    # development split (first > 0) never shares a prompt with the default run (first 0).
-    first: int = 0
-    max_new_tokens: int | None = None  # cap on each task's own generation length
-    window: int | None = None  # observation window of the scoring methods (None: each method's default)
-    longbench_full: bool = False  # LongBench: the full task files instead of subset/
-    data_dir: str | None = None
-    compile: bool = True
-    # Instruct models: each task prompt becomes one user turn of the model's chat template (RULER's
-    # answer prefix, where a task has one, follows the opened assistant turn; a needle prompt goes
-    # whole, its answer prefix inside the turn).
-    chat: bool = False
-    # With `chat`: LongBench's few-shot and code tasks in the template too (LongBench's pred.py, and
-    # the default here, leave them plain: `longbench.PLAIN_UNDER_CHAT`).
-    chat_every_task: bool = False
-    # One prefill per group of methods that compute the same hidden states, and one stacked decode
-    # of every method's state per sample (same predictions, ~4x less work). False: every method
-    # runs alone, so each record's prefill and decode times are its own call's.
-    shared: bool = True
-    # Query-agnostic (kvpress' setting): the context is compressed without the question, which is
-    # appended uncompressed afterwards. False: the whole prompt is compressed (query-aware).
-    question_after: bool = False
-    # fidelity: tokens of the full cache's greedy continuation teacher-forced through each method
-    continuation: int = 64
-    # How the projections are stored and multiplied (structkv.models.quantized): "fp32", "bf16",
-    # "int8", "int4"
-    weights: str = "fp32"
-    # How the KV caches store their entries: None (the model's floats), "int8", "int4"
-    kv_dtype: str | None = None
-    # Ask-time recall (question after compression): every compressing method also runs once per
-    # recall budget here (label "name@R_KV+recall<r>"), its evicted entries archived as `archive`
-    recall: list = field(default_factory=list)
-    archive: str = "int4"
-
-    def __post_init__(self):  # budgets parsed once, where the config is made ("0.1" a ratio, "512" a count)
-        self.kv_budgets = [Budget.parse(b, "kv_budget").value for b in self.kv_budgets]
-        self.recall = [Budget.parse(r, "recall").value for r in self.recall]
-        from ...models.archive import check_kind
-        check_kind(self.archive)
-        self.struct_budget = Budget.parse(self.struct_budget, "struct_budget").value
-        check_weights(self.weights)
-        check_kv_dtype(self.kv_dtype)
-
-    def validate(self, model_config=None) -> None:
-        bench = get_benchmark(self.benchmark)
-        valid = methods_registry.names()
-        for name in self.methods:
-            if name not in valid:
-                raise ValueError(f"unknown method {name!r}; valid: {', '.join(valid)}")
-        if not self.methods:
-            raise ValueError("give at least one method")
-        if isinstance(self.first, bool) or not isinstance(self.first, int) or self.first < 0:
-            raise ValueError(f"first must be a sample index >= 0, got {self.first!r}")
-        if self.first and self.samples is None:
-            raise ValueError("first needs samples: the split's records are first .. first + samples - 1")
-        if self.samples is not None and self.samples < 1:
-            raise ValueError(f"samples must be >= 1, got {self.samples}")
-        if isinstance(self.continuation, bool) or not isinstance(self.continuation, int) or self.continuation < 1:
-            raise ValueError(f"continuation must be a positive number of tokens, got {self.continuation!r}")
-        if self.chat_every_task and not self.chat:
-            raise ValueError("--chat-every-task changes what --chat wraps; add --chat")
-        if self.recall and not self.question_after:
-            raise ValueError("--recall asks each question against the compressed context: add "
-                             "--question-after-compression")
-        if self.recall and not self.shared:
-            raise ValueError("--recall runs in the shared pass; drop --separate")
-        if self.question_after and not bench.question_after:
-            able = " and ".join(n for n, b in BENCHMARKS.items() if b.question_after)
-            raise ValueError(f"--question-after-compression supports {able}; {self.benchmark}'s prompts have no "
-                             "separate question")
-        for d in self.depths:
-            if not 0 <= d <= 1:
-                raise ValueError(f"needle depths are fractions in [0, 1], got {d}")
-        tasks = self.all_tasks() + (self.extra_tasks())
-        for t in self.tasks or []:
-            if t not in tasks:
-                raise ValueError(f"unknown {self.benchmark} task {t!r}; valid: {', '.join(tasks)}")
-        bench.check_data(self)
-        if model_config is not None:
-            limit = model_config.max_position_embeddings
-            for n in self.lengths:
-                if n > limit:
-                    raise ValueError(f"length {n} exceeds the model's {limit} positions; use lengths <= {limit}")
-
-    @property
-    def bench(self):
-        """The benchmark this run measures (`structkv.harness.eval.benchmarks`)."""
-        return get_benchmark(self.benchmark)
-
-    def task_samples(self, task: str) -> int:
-        """Samples the run asks of `task` (per length; niah: per depth): LongBench has only its
-        file's records."""
-        return self.bench.task_samples(self, task)
-
-    def extra_tasks(self) -> list[str]:
-        """Tasks run only when named (`niah_many`: RULER-style, ours)."""
-        return self.bench.extra_tasks()
-
-    def all_tasks(self) -> list[str]:
-        return self.bench.tasks()
+from .benchmarks import chat_wrapper
+from .config import IDENTITY, EvalConfig  # noqa: F401 (EvalConfig: imported from here by the tools)
+from .result_folder import check_settings, open_output, read_predictions, sample_key
 
 
 def method_runs(cfg: EvalConfig, configs: dict | None = None) -> list[tuple[str, str, float | None]]:
@@ -212,92 +92,7 @@ def _printable(text: str) -> str:
     return "".join(ch for ch in text if ch.isprintable() or ch in "\n\t").strip()
 
 
-def sample_key(label: str, sample: dict) -> str:
-    depth = f"/d{sample['depth']:g}" if "depth" in sample else ""
-    return f"{label}/{sample['length_budget']}/{sample['task']}{depth}/{sample['index']}"
-
-
 # ------------------------------------------------------------------------------ running
-
-
-def _read_predictions(path: Path, *, quiet: bool = False) -> dict[str, dict]:
-    """Finished predictions by key. Lines that are not JSON objects with a "key" (a line cut by
-    an interrupted write, a NUL-filled tail after a power loss, a hand edit) are skipped, so those
-    samples are redone, and reported on stderr."""
-    done, bad = {}, []
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, 1):
-            line = raw.decode("utf-8", errors="replace").strip()
-            if not line.strip("\x00"):
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                rec = None
-            if isinstance(rec, dict) and isinstance(rec.get("key"), str):
-                done[rec["key"]] = rec
-            else:
-                bad.append(number)
-    if bad and not quiet:
-        print(f"structkv: skipped {len(bad)} unreadable line(s) of {path} (line {', '.join(map(str, bad[:10]))}"
-              f"{', ...' if len(bad) > 10 else ''}); their samples are run again", file=sys.stderr)
-    return done
-
-
-def _repair_tail(path: Path) -> None:
-    """Make the file end with a newline before appending: a last line without one is either a
-    whole record (kept, newline added) or the cut end of an interrupted write (removed; its
-    sample is redone). Without this the next record would be glued onto the broken line."""
-    with path.open("rb+") as f:
-        data = f.read()
-        if not data or data.endswith(b"\n"):
-            return
-        start = data.rfind(b"\n") + 1
-        try:
-            whole = isinstance(json.loads(data[start:].decode("utf-8")), dict)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            whole = False
-        if whole:
-            f.write(b"\n")
-        else:
-            f.truncate(start)
-            print(f"structkv: removed an incomplete last line of {path} ({len(data) - start} bytes, an interrupted "
-                  "write); its sample is run again", file=sys.stderr)
-
-
-def identity(config: dict) -> dict:
-    """The identity settings of a stored config (a key older folders lack counts as its default)."""
-    defaults = {f.name: f.default for f in fields(EvalConfig)}
-    return {k: config.get(k, defaults.get(k)) for k in IDENTITY}
-
-
-def _check_settings(cfg: EvalConfig, out: Path) -> None:
-    """Refuse a folder whose results were made with other settings (they would mean something else)."""
-    conf_path = out / "config.json"
-    if not conf_path.exists():
-        return
-    try:
-        old = json.loads(conf_path.read_text())["config"]
-    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-        raise ValueError(f"{conf_path} is unreadable, so the settings of the results in {out} are unknown; "
-                         "restore it or choose another --out folder") from None
-    old = identity(old)
-    clash = {k: (old[k], getattr(cfg, k)) for k in IDENTITY if old[k] != getattr(cfg, k)}
-    if clash:
-        raise ValueError(f"{out} holds results made with other settings {clash}; choose another --out folder")
-
-
-def _open_output(cfg: EvalConfig, out: Path, name: str = "predictions.jsonl") -> dict[str, dict]:
-    """Create or reopen the folder; returns the finished records of file `name` by key."""
-    _check_settings(cfg, out)
-    out.mkdir(parents=True, exist_ok=True)
-    pred_path = out / name
-    if pred_path.exists():
-        _repair_tail(pred_path)
-    done = _read_predictions(pred_path) if pred_path.exists() else {}
-    write_text_atomic(out / "config.json", json.dumps({"config": asdict(cfg), "environment": environment(),
-                                                       "command": " ".join(sys.argv)}, indent=2))
-    return done
 
 
 class Progress:
@@ -350,7 +145,7 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
     if model.tokenizer is None:
         raise ValueError(f"model {cfg.model!r} has no tokenizer; evaluation needs one (tokenizer.json in its folder)")
     out = Path(out)
-    done = _open_output(cfg, out)
+    done = open_output(cfg, out)
     samples = build_samples(cfg, model.tokenizer, progress)
     runs = method_runs(cfg, configs)
 
@@ -434,10 +229,10 @@ def report(cfg: EvalConfig, out: str | os.PathLike, *, write: bool = True, confi
     out = Path(out)
     if not (out / "predictions.jsonl").exists():
         raise FileNotFoundError(f"{out} has no predictions.jsonl; run the evaluation first")
-    _check_settings(cfg, out)
+    check_settings(cfg, out)
     if write and not os.access(out, os.W_OK):
         raise PermissionError(f"{out} is not writable; add --no-write to print the report without writing files")
-    return _report(cfg, out, _read_predictions(out / "predictions.jsonl"), write=write, configs=configs)
+    return _report(cfg, out, read_predictions(out / "predictions.jsonl"), write=write, configs=configs)
 
 
 def _wanted(cfg: EvalConfig, configs: dict | None = None, labels=None) -> set[str]:
