@@ -156,3 +156,18 @@ def test_sample_gives_a_token_at_every_temperature_in_range(temperature, seed, t
         assert tok.shape == (3,) and ((0 <= tok) & (tok < 50)).all()
         if temperature < torch.finfo(torch.float32).tiny:
             assert torch.equal(tok, logits.argmax(-1))
+
+
+def test_prefill_s_is_always_the_compression_and_the_question_has_its_own(tiny_dir):
+    """From a state, `prefill_s` is the context's compression (the state's own figure), never the
+    question's extension, which is `question_s`; without a state there is no question_s."""
+    from structkv import methods
+
+    model = structkv.load(tiny_dir("llama"))
+    state = structkv.prefill(model, list(range(3, 90)), methods.get("snapkv", kv_budget=0.3), room=16)
+    out = structkv.generate(model, [4, 5, 6], state=state, max_new_tokens=2, compile=False)
+    assert out.stats["prefill_s"] == state.stats.prefill_s
+    assert out.stats["question_s"] > 0
+    alone = structkv.generate(model, list(range(3, 90)), max_new_tokens=2, compile=False)
+    assert alone.stats["prefill_s"] > 0 and "question_s" not in alone.stats
+    assert "question" in structkv.runtime.generation.format_stats(out.stats)

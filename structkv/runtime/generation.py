@@ -33,8 +33,9 @@ class GenerationResult:
     compressed prefill (of the context, when generating from a state; None for `full`), and
     `stats`: one flat, read-only record of the call for tables and logs: the prefill's fields (a
     state's, from a state: its method, prefill fraction, pivot), then this call's own prompt,
-    prefill and decode figures, which win where names meet (from a state, `prefill_s` is the
-    question's extension; the context's compression time is `prefill.prefill_s`)."""
+    prefill and decode figures, which win where names meet. `prefill_s` is always the prompt's
+    compression (from a state: the context's, when it was compressed); from a state the question's
+    extension has its own name, `question_s`."""
 
     text: str | list[str]
     token_ids: list[int] | list[list[int]]
@@ -129,7 +130,7 @@ def generate(model, prompt=None, *, messages=None, max_new_tokens: int = 64, tem
     stats.update({
         "prompt_tokens": run.lengths if run.batched else run.lengths[0],
         "new_tokens": steps,
-        "prefill_s": t1 - t0,
+        **({"prefill_s": t1 - t0} if state is None else {"question_s": t1 - t0}),
         "decode_s": t2 - t1,
         "decode_tokens_per_s": (steps - 1) * B / (t2 - t1) if steps > 1 and t2 > t1 else float("nan"),
         "kv_cache_bytes": sum(layer.nbytes() for layer in cache.layers),  # allocated, room included
@@ -323,6 +324,8 @@ def format_stats(stats: dict) -> str:
     parts = [f"method {stats.get('method', 'full')}",
              f"prompt {stats['prompt_tokens']} tokens",
              f"prefill {stats['prefill_s']:.2f} s"]
+    if stats.get("question_s") is not None:
+        parts.append(f"question {stats['question_s']:.2f} s")
     fraction = stats.get("prefill_fraction")
     if fraction is not None:
         parts.append(f"prefill fraction {fraction:.2f}")

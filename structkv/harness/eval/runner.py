@@ -171,6 +171,7 @@ def run(cfg: EvalConfig, out: str | os.PathLike, model=None, *, progress: bool =
                 "kv_bytes_kept": s["kv_bytes_kept"],
                 "prefill_fraction": s.get("prefill_fraction", 1.0), "pivot_layer": s.get("pivot_layer"),
                 "compiled": _graphs_compiled() != graphs,  # this call's times include compilation
+                **({"question_s": s["question_s"]} if s.get("question_s") is not None else {}),
                 **extra,
             }
             sink.write(json.dumps(record) + "\n")
@@ -330,9 +331,8 @@ def _run_alone(model, sample: dict, method, max_new_tokens: int, compile):
         return generate(model, sample["input_ids"], max_new_tokens=max_new_tokens, method=method, compile=compile)
     state = prefill(model, sample["input_ids"], method, room=len(question) + max_new_tokens, compile=compile)
     result = generate(model, question, state=state, max_new_tokens=max_new_tokens, compile=compile)
-    asked = result.stats  # the context's compression figures, the question's extension in prefill_s
-    result.stats = {**asked,
-                    "prefill_s": state.stats.prefill_s + asked["prefill_s"], "question_tokens": len(question)}
+    # prefill_s: the context's compression, as in the shared mode; the question's extension is question_s
+    result.stats = {**result.stats, "question_tokens": len(question)}
     return result
 
 
