@@ -229,3 +229,15 @@ def test_bad_rules_and_marks_are_refused():
         DecodeBound(64, every=0)
     with pytest.raises(ValueError, match="evicts the prompt itself"):
         DecodeBound(8)
+
+
+def test_full_with_the_centrality_bound_is_full_and_says_so(models):
+    """`full` under the centrality rule is the full cache with StructKV's centrality tracked
+    (`Full(centrality=True)`): the typed prefill stats name `full` (they named `structkv`, relabelled
+    only in the flat stats), and its first token is the plain full prefill's."""
+    model, prompt = models["llama"], _ids(60)
+    bounded = structkv.generate(model, prompt, max_new_tokens=1, compile=False, max_kv_tokens=40)
+    plain = structkv.generate(model, prompt, max_new_tokens=1, compile=False)
+    assert bounded.stats["method"] == "full" and bounded.prefill.method == "full"
+    assert bounded.token_ids == plain.token_ids
+    assert methods.get("full", centrality=True).prefill_key() != methods.get("full").prefill_key()

@@ -8,8 +8,9 @@ Budgets are a ratio in (0, 1] of each row's prompt length or an absolute token c
 defaults (TSP / filter layer) are fractions of the model's depth so they carry across models.
 """
 from ..modules.budget import Budget
-from .base import Full, Layout, Method, restarts
+from .base import Layout, Method, restarts
 from .fastkv import FastKV
+from .full import Full
 from .gemfilter import GemFilter
 from .h2o import H2O
 from .keydiff import KeyDiff

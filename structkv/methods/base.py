@@ -148,6 +148,10 @@ class Method:
         """A `structkv.modules.Propagation` for this prompt, or None (every token reaches the end)."""
         return None
 
+    def plain(self) -> bool:
+        """Whether the prefill is the model's own full pass: nothing to score, select or track."""
+        return False
+
     def prefill_key(self) -> tuple:
         """Methods with equal keys compute the same hidden states to the last layer (they differ only
         in what each layer's cache keeps): one lane of `structkv.runtime.compress.compress_shared`. Methods
@@ -156,13 +160,6 @@ class Method:
 
     def describe(self) -> dict:
         return {"method": self.name, **dataclasses.asdict(self)}
-
-
-@dataclass
-class Full(Method):
-    """No compression: the reference every method is measured against."""
-
-    name = "full"
 
 
 def restarts(method) -> bool:

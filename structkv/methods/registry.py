@@ -5,9 +5,10 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..modules.budget import Budget
-from .base import Full, Method, restarts
+from .base import Method, restarts
 from .expected_attention import ExpectedAttention
 from .fastkv import FastKV
+from .full import Full
 from .gemfilter import GemFilter
 from .h2o import H2O
 from .keydiff import KeyDiff

@@ -23,10 +23,10 @@ ranked by a decode-time rule (one class each in `structkv.modules.decode_rules`,
   before it evicts): C <- CARRY_DECAY * C + mean attention per new query, summed over heads. An
   entry's score is its position's C, shared by the layer's heads (one ranking per token, as
   StructKV's), so what the prompt's structure made central stays until the answer stops reading
-  it. A full prefill under this rule runs StructKV keeping every entry
-  (`structkv.runtime.generation.keep_everything`: the same cache and logits, exactly) so the table
-  exists; a state compressed by a method without centrality starts empty, and the rule is then a
-  decayed in-degree over the decode queries.
+  it. A full prefill under this rule is `Full(centrality=True)` (`structkv.methods.full`: the same
+  cache and logits, exactly, with StructKV's centrality tracked) so the table exists; a state
+  compressed by a method without centrality starts empty, and the rule is then a decayed
+  in-degree over the decode queries.
 
 Until the first decode query is kept (a prompt longer than the bound, evicted before the first
 token) the query-based rules rank by novelty alone (the centrality rule by the prefill's table

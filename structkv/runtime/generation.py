@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..methods.full import Full
 from ..models.kv_cache import StackedKVCache, StaticKVCache, round_capacity
 from ..modules.decode_bound import DecodeBound
 from ..text.detokenize import StopText
@@ -195,10 +196,9 @@ def start(model, prompt, *, max_new_tokens: int, method=None, state=None, backen
                 f"prompt of {max(lengths)} tokens + {max_new_tokens} new tokens exceeds the model's "
                 f"{limit} positions; shorten the prompt or ask for fewer tokens"
             )
-        whole = method is None or method.name == "full"
-        if whole and bound is not None and bound.rule == "centrality":
-            method = keep_everything()  # the full cache, with the centrality the rule starts from
-        if method is not None and method.name != "full":
+        if (method is None or method.plain()) and bound is not None and bound.ranker.carries:
+            method = Full(centrality=True)  # the full cache, with the centrality the rule starts from
+        if method is not None and not method.plain():
             from .compress import compress
 
             compressed = compress(model, tokens, positions, method, room=room, compile=backend or False,
@@ -206,23 +206,12 @@ def start(model, prompt, *, max_new_tokens: int, method=None, state=None, backen
             cache, logits, next_pos = compressed.cache, compressed.logits, compressed.next_positions
             prefill = compressed.stats
             stats.update(compressed.stats.items())
-            if whole:
-                stats["method"] = "full"
         else:
             cache, logits = _full_prefill(model, tokens, positions, room, backend, decode_backend, limit, block)
             next_pos = torch.tensor(lengths, device=model.device)[:, None]  # (B, 1)
             stats["method"] = "full"
     kept = sum(state.cache.nbytes()) if state is not None else sum(cache.nbytes())
     return Started(cache, logits, next_pos, lengths, stats, prefill, kept, batched)
-
-
-def keep_everything():
-    """StructKV keeping every entry and every token: its cache and logits are the full prefill's
-    (exactly), and it leaves StructKV's centrality for a decode bound's "centrality" rule (the
-    scoring costs a few percent of the prefill)."""
-    from ..methods import get
-
-    return get("structkv", kv_budget=1.0, struct_budget=1.0)
 
 
 @torch.inference_mode()
