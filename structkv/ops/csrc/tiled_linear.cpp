@@ -127,7 +127,7 @@ Rows quantize(const at::Tensor &x) {
   thread_local std::vector<int32_t> totals;
   // x as it comes when it is float32 already, and the outputs from empty_cpu: neither goes through the
   // dispatcher, ~0.3 us of a product's ~2.3 us fixed cost (a warm pass over SmolLM2's int4
-  // projections 3.16 -> 3.06 ms, none measurable after a flush; research/experiments/tiled_variants.py, stop 67).
+  // projections 3.16 -> 3.06 ms, none measurable after a flush; research/experiments/tiled_variants.py, 52b7eae).
   const at::Tensor xf = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1), G = K / kGroup;
   codes.resize(M * K);
