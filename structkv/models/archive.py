@@ -142,6 +142,14 @@ class ArchiveLayer:
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return ArchiveLayer(self.kind, [move(p) for p in self.planes], move(self.pos))
 
+    def pinned(self) -> "ArchiveLayer":
+        """This layer with its host entries in pinned memory, what a GPU copies from without the
+        host waiting; a layer already on a GPU as it is."""
+        self._ready()
+        if self.pos.device.type != "cpu":
+            return self
+        return ArchiveLayer(self.kind, [p.pin_memory() for p in self.planes], self.pos.pin_memory())
+
     def _ready(self) -> None:
         if self.source is not None:
             raise RuntimeError("a layer in a file is read through opened() (once per question)")

@@ -52,9 +52,7 @@ class ArchiveFetch:
     def _read(self, i: int):
         """Layer i in host memory (pinned for a GPU), checked: runs on the worker."""
         layer = self.layers[i].opened()
-        if self.stream is None or layer.pos.device.type != "cpu":
-            return layer
-        return type(layer)(layer.kind, [p.pin_memory() for p in layer.planes], layer.pos.pin_memory())
+        return layer if self.stream is None else layer.pinned()
 
     def close(self) -> None:
         for future in self.pending.values():

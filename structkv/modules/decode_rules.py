@@ -20,7 +20,8 @@ NOVELTY_CHUNK = 1024  # keys whose similarities to every other key are held at o
 
 
 class DecodeRule:
-    """Base: rank by the attention the layer's kept decode queries gave each entry."""
+    """One rule: `scores` ranks a layer's entries (higher stays); the flags say what the bound
+    keeps for it while decoding."""
 
     name: ClassVar[str]
     needs_queries: ClassVar[bool] = True  # the layers keep their last decode queries

@@ -23,6 +23,8 @@ archived entries, P context positions, D head dim.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from .archive_fetch import ArchiveFetch
@@ -49,20 +51,18 @@ class RecallLayer:
 
     sliding_window = None  # archived layers are full-attention layers
 
-    def __init__(self, answer, archive, keep: list[int], stats: dict, tile: int = TILE, kernel: int = KERNEL,
-                 fetch=None):
+    def __init__(self, answer, archive, keep: list[int], stats: dict, fetch, tile: int = TILE, kernel: int = KERNEL):
         self.answer, self.archive, self.keep, self.stats, self.tile = answer, archive, keep, stats, tile
         self.kernel = kernel
-        # fetch(device) -> this layer's archive opened on the question's device (`ArchiveFetch.take`:
-        # read one layer ahead); None: read here, when asked
-        self.fetch = fetch or (lambda device: archive.opened().to(device))
+        self.fetch = fetch  # () -> this layer's archive opened on the question's device (`ArchiveFetch.take`)
         self.chosen = None  # (B, Hkv, K) the context positions chosen for the answer, once asked
 
     def attention(self, attn, q, k, v, positions):
-        """The `LayerKVCache.attention` call of several (or one) question tokens: (B, S, E). An
-        archive in a file is read (and checked) here, for this layer of this question only."""
+        """The `LayerKVCache.attention` call of several (or one) question tokens: (B, S, E). The
+        layer's archive comes opened from `fetch` (a file's read and checked one layer ahead), for
+        this layer of this question only."""
         B, Hq, S, D = q.shape
-        source, self.archive = self.archive, self.fetch(q.device)
+        source, self.archive = self.archive, self.fetch()
         try:
             apos = self.archive.positions()  # (B, Hkv, A)
             out, hot_p, arch_p = self._attend(q, k, v, positions, apos, attn.scale)  # (B, Hq, S, D), probabilities
@@ -190,7 +190,7 @@ def recall_extend(model, state, tokens: torch.Tensor, positions: torch.Tensor, r
             answer = layer.grown(max(keep) if archived is not None else 0)
             answers.append(answer)
             seen.append(answer if archived is None else
-                        RecallLayer(answer, archived, keep, stats, tile, kernel, lambda _, i=i: fetch.take(i)))
+                        RecallLayer(answer, archived, keep, stats, partial(fetch.take, i), tile, kernel))
         logits = model.extend(tokens, positions, _Layers(seen))
     stats["chosen_positions"] = {i: layer.chosen for i, layer in enumerate(seen) if isinstance(layer, RecallLayer)}
     cache = KVCache()
