@@ -2,25 +2,17 @@
 pair (made with the same identity settings, so the same key means the same prompt and scoring)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .config import IDENTITY
-from .result_folder import identity, read_predictions
+from .result_folder import identity, read_predictions, stored_config
 
 
 def settings_clash(a: Path, b: Path) -> dict[str, tuple]:
     """The identity settings in which two result folders differ ({} when their results mean the same
     thing and prompts pair across them); a key older folders lack counts as its default."""
-    ia, ib = identity(_config(a)), identity(_config(b))
+    ia, ib = identity(stored_config(a)), identity(stored_config(b))
     return {k: (ia[k], ib[k]) for k in IDENTITY if ia[k] != ib[k]}
-
-
-def _config(folder: Path) -> dict:
-    try:
-        return json.loads((folder / "config.json").read_text())["config"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise ValueError(f"{folder} has no readable config.json: not a finished `structkv eval` folder") from None
 
 
 def prompt_key(record: dict) -> tuple:

@@ -18,6 +18,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from .result_folder import stored_config
+
 TITLE = "# Results: the leaderboard"
 INTRO = ("Generated from the eval folders named in the command below; do not edit by hand (a test "
          "regenerates it). A cell is the average score (0-100) over the folder's prompts for that "
@@ -30,9 +32,9 @@ INTRO = ("Generated from the eval folders named in the command below; do not edi
 def read_folder(folder: Path) -> dict:
     """A folder's config (`config.json`'s "config") and its rows (`metrics.json`'s "rows")."""
     try:
-        config = json.loads((folder / "config.json").read_text())["config"]
+        config = stored_config(folder)
         rows = json.loads((folder / "metrics.json").read_text())["rows"]
-    except (OSError, KeyError, json.JSONDecodeError) as e:
+    except (OSError, KeyError, ValueError) as e:  # a JSONDecodeError is a ValueError
         raise ValueError(f"{folder} is not a complete eval folder (config.json and metrics.json): {e}") from None
     return {"config": config, "rows": rows}
 

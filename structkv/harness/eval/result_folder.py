@@ -65,6 +65,14 @@ def repair_tail(path: Path) -> None:
                   "write); its sample is run again", file=sys.stderr)
 
 
+def stored_config(folder: Path) -> dict:
+    """The settings a finished folder was made with (`config.json`'s "config")."""
+    try:
+        return json.loads((folder / "config.json").read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ValueError(f"{folder} has no readable config.json: not a finished `structkv eval` folder") from None
+
+
 def identity(config: dict) -> dict:
     """The identity settings of a stored config (a key older folders lack counts as its default)."""
     defaults = {f.name: f.default for f in fields(EvalConfig)}
